@@ -1,0 +1,34 @@
+# Quick start:  make demo   (set up + run the main job)
+#               make test   (set up + run the tests)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Where this machine keeps a CPU build of torch on disk, use it; elsewhere pip takes torch from the index.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup demo test bench bench-quick clean
+
+setup: $(VENV)/.installed
+
+# The pinned torch goes in first so no later install can pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(FIND_LINKS) $(TORCH_PIN)
+	$(PY) -m pip install -q $(FIND_LINKS) -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(PY) -m vlamux.demo
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) bench/group_batching.py
+
+bench-quick: setup
+	$(PY) bench/group_batching.py --quick
+
+clean:
+	rm -rf $(VENV) .pytest_cache

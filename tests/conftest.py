@@ -1,0 +1,46 @@
+import pytest
+import torch
+
+from vlamux.model import BackboneSpec, HeadSpec, ModelRunner, OptimizerSpec, build_backbone
+from vlamux.synthetic import TaskProfile, make_batch
+
+# Four tenants that differ in head, action/state dims, horizon, camera count, image size and phrasing.
+TENANTS = {
+    "acme": (HeadSpec("l1_chunk", 4, 8, 4), TaskProfile({"top": (64, 64)}, 4, 8, 4, "reach the {color} block")),
+    "bolt": (HeadSpec("flow", 3, 6, 0, options={"steps": 4}),
+             TaskProfile({"top": (48, 48), "wrist": (32, 32)}, 3, 6, 0,
+                         "please move the arm over to the {color} block, slowly")),
+    "cobalt": (HeadSpec("gaussian", 4, 8, 4), TaskProfile({"top": (40, 56)}, 4, 8, 4, "{color}")),
+    "delta": (HeadSpec("bins", 5, 4, 2, options={"n_bins": 32}),
+              TaskProfile({"top": (32, 32), "wrist": (64, 64), "side": (32, 48)}, 5, 4, 2, "go {color}")),
+}
+
+
+@pytest.fixture(scope="session")
+def backbone():
+    return build_backbone(BackboneSpec(preset="tiny", seed=0))
+
+
+def make_runner(backbone, tenants=TENANTS, lr=1e-3, **kw) -> ModelRunner:
+    runner = ModelRunner(backbone, **kw)
+    for i, (name, (spec, _)) in enumerate(tenants.items()):
+        runner.create_slot(name, spec, OptimizerSpec(lr=lr), seed=100 + i)
+    return runner
+
+
+def tenant_batches(batch=3, seed=0, tenants=TENANTS):
+    g = torch.Generator().manual_seed(seed)
+    return {name: make_batch(profile, batch, g) for name, (_, profile) in tenants.items()}
+
+
+def snapshot(slot) -> dict:
+    """Every tensor of a slot's state, copied, for byte-identity checks."""
+    tensors, meta = slot.state_tensors()
+    return {k: v.clone() for k, v in tensors.items()}
+
+
+def same_bytes(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
+        for k in a
+    )

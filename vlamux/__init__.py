@@ -1,0 +1,3 @@
+"""vlamux: multi-tenant post-training of Vision-Language-Action policies on one shared backbone."""
+
+__version__ = "0.1.0"

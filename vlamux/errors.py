@@ -1,0 +1,28 @@
+"""Exceptions that cross module boundaries.
+
+Every error names what was wrong so a tenant can fix its request without
+reading our code (DESIGN invariant 5).
+"""
+
+
+class VlamuxError(Exception):
+    """Base class of all vlamux errors."""
+
+
+class InvalidInputError(VlamuxError, ValueError):
+    """A request's input is malformed; the message names the field."""
+
+
+class NonFiniteError(VlamuxError, FloatingPointError):
+    """A loss or gradient is NaN or infinite; the tenant's state is left unchanged."""
+
+
+class UnknownTenantError(VlamuxError, KeyError):
+    """No slot exists for the tenant named in a request."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "unknown tenant"
+
+
+class IncompatibleError(VlamuxError):
+    """A checkpoint or request does not fit the slot or backbone it was given to."""

@@ -1,0 +1,74 @@
+"""`VLAFeature`: the backbone's output contract, all an action head may read.
+
+Layout of the token axis, for every backbone:
+``[query tokens][camera 0 patches]...[camera K-1 patches][instruction tokens]``.
+Camera and text segments may be padded (mask False); `select` trims a
+feature back to one request's own cameras and instruction length, which is
+what makes group batching invisible to the heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import IntEnum
+
+import torch
+from torch import Tensor
+
+
+class TokenType(IntEnum):
+    """Values of `VLAFeature.token_type`; camera k has type ``CAMERA + k``."""
+
+    TEXT = 0
+    QUERY = 1
+    CAMERA = 2
+
+
+@dataclass(frozen=True)
+class FeatureMeta:
+    backbone_id: str
+    hidden_dim: int
+    n_layers: int
+    n_query: int
+    patches_per_camera: int
+
+
+@dataclass
+class VLAFeature:
+    hidden: Tensor  # [B, L, D] final (normed) hidden states
+    mask: Tensor  # [B, L] bool, True where a token is real
+    token_type: Tensor  # [B, L] int64, see TokenType
+    meta: FeatureMeta
+    layers: tuple[Tensor, ...] = ()  # hidden states of the last k blocks, oldest first, each [B, L, D]
+
+    @property
+    def batch_size(self) -> int:
+        return self.hidden.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return self.hidden.shape[1]
+
+    def select(self, rows: slice, index: Tensor | None = None, n_layers: int | None = None) -> VLAFeature:
+        """Rows `rows`, token positions `index` (all if None), the last `n_layers` layers."""
+
+        def take(t: Tensor) -> Tensor:
+            t = t[rows]
+            return t if index is None else t.index_select(1, index)
+
+        layers = self.layers if n_layers is None else (self.layers[len(self.layers) - n_layers:] if n_layers else ())
+        return replace(
+            self,
+            hidden=take(self.hidden),
+            mask=take(self.mask),
+            token_type=take(self.token_type),
+            layers=tuple(take(x) for x in layers),
+        )
+
+
+def token_index(n_query: int, patches: int, n_cams: int, text_len: int, group_cams: int, device=None) -> Tensor:
+    """Positions of one request's tokens inside a group's token axis."""
+    head = torch.arange(n_query + n_cams * patches, device=device)
+    text_start = n_query + group_cams * patches
+    text = torch.arange(text_start, text_start + text_len, device=device)
+    return torch.cat([head, text])

@@ -1,0 +1,86 @@
+"""Requests to a model runner, their results, and the grouping decision.
+
+`plan_groups` decides which requests share one backbone forward; it touches
+no tensors. Requests share a group when they use the same backbone; a group
+holds at most `max_rows` rows. Every split is logged at debug level with its
+reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from vlamux.model.batch import Observation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ForwardBackward:
+    """Accumulate the gradients of the tenant's supervised loss on (obs, actions)."""
+
+    tenant: str
+    obs: Observation
+    actions: Tensor  # [B, H, A] in the tenant's units
+    action_mask: Tensor | None = None  # [B, H] bool, False on padded steps
+
+
+@dataclass
+class Sample:
+    """Sample an action chunk for each observation."""
+
+    tenant: str
+    obs: Observation
+    deterministic: bool = False
+
+
+Request = ForwardBackward | Sample
+
+
+@dataclass
+class Result:
+    tenant: str
+    output: dict | None = None
+    error: Exception | None = None
+    backbone_s: float = 0.0  # this request's share of its group's backbone time (by rows), plus its preprocessing
+    head_s: float = 0.0  # time in the tenant's own head, in full
+    group_size: int = 1  # requests that shared the backbone forward
+    timings: dict = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def unwrap(self) -> dict:
+        if self.error is not None:
+            raise self.error
+        return self.output
+
+
+def plan_groups(keys: list[str], rows: list[int], max_rows: int | None = None,
+                tenants: list[str] | None = None) -> list[list[int]]:
+    """Partition request indices into groups of equal key and at most `max_rows` rows, keeping order."""
+    groups: list[list[int]] = []
+    open_group: dict[str, int] = {}  # key -> index in groups of the group still taking requests
+    sizes: list[int] = []
+    for i, (key, n) in enumerate(zip(keys, rows)):
+        who = f"request {i}" + (f" (tenant {tenants[i]!r})" if tenants else "")
+        g = open_group.get(key)
+        if g is not None and max_rows is not None and sizes[g] + n > max_rows:
+            log.debug("%s starts a new group: group %d is full (%d + %d rows > max %d)", who, g, sizes[g], n,
+                      max_rows)
+            g = None
+        if g is None:
+            if open_group and key not in open_group:
+                log.debug("%s cannot share a backbone call with groups of %s: it needs backbone %r", who,
+                          sorted(open_group), key)
+            g = len(groups)
+            groups.append([])
+            sizes.append(0)
+            open_group[key] = g
+        groups[g].append(i)
+        sizes[g] += n
+    return groups

@@ -1,0 +1,67 @@
+"""OpenVLA-style discretised actions: n bins per dimension over [-1, 1], categorical per step and dim."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vlamux.model.heads.base import ActionHead, masked_mean
+
+
+class BinsHead(ActionHead):
+    kind = "bins"
+    DEFAULT_OPTIONS = {"n_bins": 256}
+    ACTION_NORM = "min_max"  # bins cover [-1, 1]
+    HAS_VALUE = True
+
+    def __init__(self, spec, feature_dim):
+        super().__init__(spec, feature_dim)
+        self.n_bins = int(self.options["n_bins"])
+        if self.n_bins < 2:
+            raise ValueError(f"head spec: options.n_bins must be >= 2, got {self.n_bins}")
+        self.logits_out = nn.Linear(spec.width, spec.action_dim * self.n_bins)
+
+    def to_bins(self, actions: Tensor) -> Tensor:
+        idx = ((actions.clamp(-1.0, 1.0) + 1.0) * 0.5 * self.n_bins).floor().long()
+        return idx.clamp_(0, self.n_bins - 1)
+
+    def from_bins(self, idx: Tensor) -> Tensor:
+        return (idx.to(self.logits_out.weight.dtype) + 0.5) * (2.0 / self.n_bins) - 1.0
+
+    def logits(self, feature, state) -> tuple[Tensor, Tensor]:
+        """logits [B, H, A, n_bins], value [B]."""
+        b, s = feature.batch_size, self.spec
+        steps, pooled = self.decode(self.step_pos.new_zeros(b, s.horizon, s.width), feature, state)
+        return self.logits_out(steps).view(b, s.horizon, s.action_dim, self.n_bins), self.value(pooled)
+
+    @staticmethod
+    def log_prob(logits: Tensor, idx: Tensor, action_mask: Tensor) -> Tensor:
+        """Log-probability of the chosen bins per row [B], over valid steps and all dims."""
+        lp = logits.log_softmax(-1).gather(-1, idx[..., None]).squeeze(-1)
+        return (lp.sum(-1) * action_mask.to(lp.dtype)).sum(-1)
+
+    @staticmethod
+    def entropy(logits: Tensor, action_mask: Tensor) -> Tensor:
+        logp = logits.log_softmax(-1)
+        ent = -(logp.exp() * logp).sum(-1)
+        return (ent.sum(-1) * action_mask.to(ent.dtype)).sum(-1)
+
+    def loss(self, feature, state, actions, action_mask, generator):
+        logits, _ = self.logits(feature, state)
+        target = self.to_bins(actions)
+        ce = F.cross_entropy(logits.flatten(0, 2), target.flatten(), reduction="none").view(target.shape)
+        loss = masked_mean(ce, action_mask)
+        acc = masked_mean((logits.argmax(-1) == target).to(ce.dtype), action_mask)
+        return loss, {"ce": loss.item(), "bin_acc": acc.item()}
+
+    def sample(self, feature, state, generator, deterministic=False):
+        logits, value = self.logits(feature, state)
+        if deterministic:
+            idx = logits.argmax(-1)
+        else:
+            probs = logits.softmax(-1).flatten(0, 2)
+            idx = torch.multinomial(probs, 1, generator=generator).view(logits.shape[:-1])
+        full = torch.ones(idx.shape[:2], dtype=torch.bool, device=idx.device)
+        return {"actions": self.from_bins(idx), "bins": idx, "log_prob": self.log_prob(logits, idx, full),
+                "value": value}

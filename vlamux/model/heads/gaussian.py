@@ -1,0 +1,58 @@
+"""A diagonal Gaussian over the action chunk, with a value head: the policy PPO/GRPO train."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from vlamux.model.heads.base import ActionHead, masked_mean
+
+LOG_STD_MIN, LOG_STD_MAX = -5.0, 2.0
+
+
+class GaussianHead(ActionHead):
+    kind = "gaussian"
+    DEFAULT_OPTIONS = {"init_log_std": -0.5}
+    HAS_VALUE = True
+
+    def __init__(self, spec, feature_dim):
+        super().__init__(spec, feature_dim)
+        self.mean_out = nn.Linear(spec.width, spec.action_dim)
+        self.log_std = nn.Parameter(torch.full((spec.horizon, spec.action_dim), float(self.options["init_log_std"])))
+
+    def distribution(self, feature, state) -> tuple[Tensor, Tensor, Tensor]:
+        """mean [B, H, A], log_std [B, H, A], value [B]."""
+        b = feature.batch_size
+        steps, pooled = self.decode(self.step_pos.new_zeros(b, self.spec.horizon, self.spec.width), feature, state)
+        log_std = self.log_std.clamp(LOG_STD_MIN, LOG_STD_MAX).expand(b, -1, -1)
+        return self.mean_out(steps), log_std, self.value(pooled)
+
+    @staticmethod
+    def log_prob(mean: Tensor, log_std: Tensor, actions: Tensor, action_mask: Tensor) -> Tensor:
+        """Log-density of the whole chunk per row [B], summed over valid steps and all dims."""
+        z = (actions - mean) / log_std.exp()
+        per_dim = -0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi)
+        return (per_dim.sum(-1) * action_mask.to(per_dim.dtype)).sum(-1)
+
+    @staticmethod
+    def entropy(log_std: Tensor, action_mask: Tensor) -> Tensor:
+        per_dim = 0.5 + 0.5 * math.log(2 * math.pi) + log_std
+        return (per_dim.sum(-1) * action_mask.to(per_dim.dtype)).sum(-1)
+
+    def loss(self, feature, state, actions, action_mask, generator):
+        mean, log_std, _ = self.distribution(feature, state)
+        z = (actions - mean) / log_std.exp()
+        nll = masked_mean(0.5 * z.pow(2) + log_std + 0.5 * math.log(2 * math.pi), action_mask)
+        return nll, {"nll": nll.item(), "mse": masked_mean((mean - actions).pow(2), action_mask).item()}
+
+    def sample(self, feature, state, generator, deterministic=False):
+        mean, log_std, value = self.distribution(feature, state)
+        if deterministic:
+            actions = mean
+        else:
+            noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+            actions = mean + noise * log_std.exp()
+        full = torch.ones(actions.shape[:2], dtype=torch.bool, device=actions.device)
+        return {"actions": actions, "log_prob": self.log_prob(mean, log_std, actions, full), "value": value}

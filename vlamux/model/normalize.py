@@ -1,0 +1,72 @@
+"""Normalisation statistics of a tenant's state and actions (LeRobot's modes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vlamux.errors import InvalidInputError
+
+MODES = ("mean_std", "min_max", "identity")
+_FIELDS = ("mean", "std", "min", "max")
+_EPS = 1e-8
+
+
+@dataclass
+class NormStats:
+    """Per-dimension statistics of one feature; `mode` picks which ones apply."""
+
+    mean: Tensor
+    std: Tensor
+    min: Tensor
+    max: Tensor
+    mode: str = "mean_std"
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise InvalidInputError(f"stats mode: expected one of {MODES}, got {self.mode!r}")
+        dims = {getattr(self, f).shape for f in _FIELDS}
+        if len(dims) != 1:
+            raise InvalidInputError(f"stats: mean/std/min/max shapes differ: {sorted(map(list, dims))}")
+
+    @staticmethod
+    def identity(dim: int, mode: str = "identity") -> NormStats:
+        z, o = torch.zeros(dim), torch.ones(dim)
+        return NormStats(z, o, -o, o.clone(), mode)
+
+    @staticmethod
+    def from_data(x: Tensor, mode: str) -> NormStats:
+        """Statistics over every leading dimension of x [..., D]."""
+        flat = x.reshape(-1, x.shape[-1]).double()
+        return NormStats(flat.mean(0).float(), flat.std(0, unbiased=False).float(), flat.amin(0).float(),
+                         flat.amax(0).float(), mode)
+
+    @property
+    def dim(self) -> int:
+        return self.mean.shape[-1]
+
+    def to(self, device) -> NormStats:
+        return NormStats(*(getattr(self, f).to(device) for f in _FIELDS), mode=self.mode)
+
+    def normalize(self, x: Tensor) -> Tensor:
+        if self.mode == "mean_std":
+            return (x - self.mean) / (self.std + _EPS)
+        if self.mode == "min_max":
+            return (x - self.min) / (self.max - self.min + _EPS) * 2.0 - 1.0
+        return x
+
+    def unnormalize(self, x: Tensor) -> Tensor:
+        if self.mode == "mean_std":
+            return x * (self.std + _EPS) + self.mean
+        if self.mode == "min_max":
+            return (x + 1.0) * 0.5 * (self.max - self.min + _EPS) + self.min
+        return x
+
+    def tensors(self, prefix: str) -> dict[str, Tensor]:
+        return {f"{prefix}.{f}": getattr(self, f).detach().cpu().contiguous() for f in _FIELDS}
+
+    @staticmethod
+    def from_tensors(tensors: dict[str, Tensor], prefix: str, mode: str) -> NormStats:
+        return NormStats(*(tensors[f"{prefix}.{f}"] for f in _FIELDS), mode=mode)

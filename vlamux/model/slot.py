@@ -1,0 +1,228 @@
+"""A slot: one tenant's private state inside a model service.
+
+It holds the tenant's action head, AdamW optimizer, RNG, normalisation
+statistics and policy version, and touches nothing else: the backbone's
+features come in as input. A request that fails (bad input, NaN loss or
+gradient) leaves the slot exactly as it was.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, safe_open
+from torch import Tensor
+
+from vlamux.errors import IncompatibleError, InvalidInputError, NonFiniteError
+from vlamux.model.batch import check_float_tensor
+from vlamux.model.feature import FeatureMeta, VLAFeature
+from vlamux.model.heads import ActionHead, HeadSpec, build_head
+from vlamux.model.normalize import NormStats
+from vlamux.utils.io import atomic_save_safetensors
+
+FORMAT = "vlamux.slot/1"
+
+
+@dataclass
+class OptimizerSpec:
+    lr: float = 1e-4
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0  # max global grad norm; None disables clipping
+
+    def __post_init__(self):
+        self.betas = tuple(self.betas)
+        if not self.lr > 0:
+            raise ValueError(f"optimizer spec: lr must be > 0, got {self.lr}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optimizer spec: weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"optimizer spec: grad_clip must be > 0 or None, got {self.grad_clip}")
+
+
+class Slot:
+    def __init__(self, tenant: str, head_spec: HeadSpec, feature_meta: FeatureMeta,
+                 optim: OptimizerSpec | None = None, seed: int = 0, device: str | torch.device = "cpu"):
+        if not tenant or not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
+        self.tenant = tenant
+        self.head_spec = head_spec
+        self.optim_spec = optim or OptimizerSpec()
+        self.backbone_id = feature_meta.backbone_id
+        self.seed = seed
+        self.device = torch.device(device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.head: ActionHead = build_head(head_spec, feature_meta.hidden_dim).to(self.device)
+        o = self.optim_spec
+        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.generator = torch.Generator(self.device)
+        self.generator.manual_seed(seed + 1)
+        self.stats = {
+            "action": NormStats.identity(head_spec.action_dim, self.head.ACTION_NORM).to(self.device),
+            "state": NormStats.identity(head_spec.state_dim, "mean_std").to(self.device),
+        }
+        self.version = 0
+        self.accumulated = 0  # forward_backward calls since the last optimizer step
+
+    # ---- statistics -------------------------------------------------------------------------
+    def set_stats(self, action: NormStats | None = None, state: NormStats | None = None) -> None:
+        """Install dataset statistics; the action mode is the head's unless the stats are 'identity'."""
+        for name, stats, dim in (("action", action, self.head_spec.action_dim),
+                                 ("state", state, self.head_spec.state_dim)):
+            if stats is None:
+                continue
+            if stats.dim != dim:
+                raise InvalidInputError(f"stats[{name!r}]: {stats.dim} dims, the head has {dim}")
+            if name == "action" and stats.mode != "identity":
+                stats = NormStats(stats.mean, stats.std, stats.min, stats.max, self.head.ACTION_NORM)
+            self.stats[name] = stats.to(self.device)
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def _state(self, state: Tensor | None, batch: int) -> Tensor | None:
+        s = self.head_spec.state_dim
+        if s == 0:
+            return None  # this head reads no proprio state; ignore what the observation carries
+        if state is None:
+            raise InvalidInputError(f"state: the head of tenant {self.tenant!r} needs a proprio state [B, {s}]")
+        check_float_tensor("state", state, (batch, s))
+        return self.stats["state"].normalize(state.to(self.device, torch.float32))
+
+    def _actions(self, actions: Tensor, action_mask: Tensor | None, batch: int) -> tuple[Tensor, Tensor]:
+        h, a = self.head_spec.horizon, self.head_spec.action_dim
+        check_float_tensor("actions", actions, (batch, h, a))
+        if action_mask is None:
+            action_mask = torch.ones(batch, h, dtype=torch.bool)
+        elif action_mask.dtype != torch.bool or tuple(action_mask.shape) != (batch, h):
+            raise InvalidInputError(f"action_mask: expected bool [{batch}, {h}], got "
+                                    f"{action_mask.dtype} {list(action_mask.shape)}")
+        actions = self.stats["action"].normalize(actions.to(self.device, torch.float32))
+        return actions, action_mask.to(self.device)
+
+    def _check_feature(self, feature: VLAFeature) -> None:
+        if feature.meta.backbone_id != self.backbone_id:
+            raise IncompatibleError(f"tenant {self.tenant!r} is bound to backbone {self.backbone_id!r}, "
+                                    f"got features of {feature.meta.backbone_id!r}")
+
+    # ---- operations ---------------------------------------------------------------------------
+    def forward_backward(self, feature: VLAFeature, state: Tensor | None, actions: Tensor,
+                         action_mask: Tensor | None = None) -> dict[str, float]:
+        """Add this batch's gradients to the slot; returns the loss and head metrics."""
+        self._check_feature(feature)
+        b = feature.batch_size
+        state_n = self._state(state, b)
+        actions_n, mask = self._actions(actions, action_mask, b)
+        rng = self.generator.get_state()
+        try:
+            params = [p for p in self.head.parameters() if p.requires_grad]
+            loss, metrics = self.head.loss(feature, state_n, actions_n, mask, self.generator)
+            if not torch.isfinite(loss):
+                raise NonFiniteError(f"tenant {self.tenant!r}: loss is {loss.item()}")
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            present = [g for g in grads if g is not None]
+            if present and not torch.isfinite(torch.stack([g.sum() for g in present])).all():
+                raise NonFiniteError(f"tenant {self.tenant!r}: gradient has NaN or infinite values")
+        except BaseException:
+            self.generator.set_state(rng)
+            raise
+        for p, g in zip(params, grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        self.accumulated += 1
+        return {"loss": loss.item(), **metrics}
+
+    def optim_step(self) -> dict[str, float]:
+        """Apply accumulated gradients; the policy version increases by one."""
+        if self.accumulated == 0:
+            raise InvalidInputError(f"optim_step: tenant {self.tenant!r} has no gradients since its last step")
+        params = [p for p in self.head.parameters() if p.grad is not None]
+        clip = self.optim_spec.grad_clip
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accumulated = 0
+        self.version += 1
+        return {"grad_norm": norm.item(), "policy_version": self.version}
+
+    @torch.no_grad()
+    def sample(self, feature: VLAFeature, state: Tensor | None, deterministic: bool = False) -> dict:
+        """An action chunk in the tenant's own units, stamped with the policy version."""
+        self._check_feature(feature)
+        out = self.head.sample(feature, self._state(state, feature.batch_size), self.generator, deterministic)
+        out["actions"] = self.stats["action"].unnormalize(out["actions"])
+        out["policy_version"] = self.version
+        return out
+
+    # ---- persistence --------------------------------------------------------------------------
+    def state_tensors(self) -> tuple[dict[str, Tensor], dict[str, str]]:
+        """Everything of this tenant, as safetensors tensors + metadata."""
+        tensors = {f"head.{k}": v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}
+        opt = self.optimizer.state_dict()
+        for idx, st in opt["state"].items():
+            for k, v in st.items():
+                tensors[f"optim.{idx}.{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
+        for name, stats in self.stats.items():
+            tensors.update(stats.tensors(f"stats.{name}"))
+        tensors["rng"] = self.generator.get_state().cpu()
+        tensors["version"] = torch.tensor([self.version], dtype=torch.int64)
+        meta = {
+            "format": FORMAT, "tenant": self.tenant, "backbone_id": self.backbone_id, "seed": str(self.seed),
+            "head_spec": self.head_spec.to_json(), "optim_spec": json.dumps(asdict(self.optim_spec)),
+            "param_groups": json.dumps(opt["param_groups"]),
+            "stats_modes": json.dumps({k: v.mode for k, v in self.stats.items()}),
+        }
+        return tensors, meta
+
+    def save(self, path: str | Path) -> None:
+        if self.accumulated:
+            raise InvalidInputError(f"save: tenant {self.tenant!r} has un-stepped gradients; call optim_step first")
+        atomic_save_safetensors(*self.state_tensors(), path)
+
+    def load_state(self, path: str | Path) -> None:
+        """Restore this tenant's state from a file it saved; refuses another tenant's or head's file."""
+        tensors, meta = read_slot_file(path)
+        if meta["tenant"] != self.tenant:
+            raise IncompatibleError(f"{path}: belongs to tenant {meta['tenant']!r}, not {self.tenant!r}")
+        if HeadSpec.from_json(meta["head_spec"]) != self.head_spec:
+            raise IncompatibleError(f"{path}: head spec {meta['head_spec']} differs from the slot's")
+        if meta["backbone_id"] != self.backbone_id:
+            raise IncompatibleError(f"{path}: trained on backbone {meta['backbone_id']!r}, slot uses "
+                                    f"{self.backbone_id!r}")
+        self.head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
+        state: dict[int, dict] = {}
+        for k, v in tensors.items():
+            if k.startswith("optim."):
+                _, idx, name = k.split(".", 2)
+                state.setdefault(int(idx), {})[name] = v
+        self.optimizer.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
+        modes = json.loads(meta["stats_modes"])
+        self.stats = {k: NormStats.from_tensors(tensors, f"stats.{k}", m).to(self.device) for k, m in modes.items()}
+        self.generator.set_state(tensors["rng"])
+        self.version = int(tensors["version"][0])
+        self.optimizer.zero_grad(set_to_none=True)
+        self.accumulated = 0
+
+    @classmethod
+    def from_file(cls, path: str | Path, feature_meta: FeatureMeta, device="cpu") -> Slot:
+        _, meta = read_slot_file(path)
+        opt = json.loads(meta["optim_spec"])
+        slot = cls(meta["tenant"], HeadSpec.from_json(meta["head_spec"]), feature_meta, OptimizerSpec(**opt),
+                   seed=int(meta["seed"]), device=device)
+        slot.load_state(path)
+        return slot
+
+
+def read_slot_file(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"slot checkpoint not found: {path}")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != FORMAT:
+        raise IncompatibleError(f"{path}: not a vlamux slot file (format={meta.get('format')!r})")
+    return load_file(str(path)), meta
