@@ -41,6 +41,6 @@ def snapshot(slot) -> dict:
 
 def same_bytes(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
         for k in a
     )

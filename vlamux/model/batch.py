@@ -54,7 +54,7 @@ class Observation:
         b = len(self.instruction)
         if b == 0:
             raise InvalidInputError("instruction: empty batch")
-        if not self.images:
+        if not isinstance(self.images, dict) or not self.images:
             raise InvalidInputError("images: at least one camera is required")
         if len(self.images) > schema.max_cameras:
             raise InvalidInputError(
@@ -75,8 +75,9 @@ class Observation:
         for name, m in self.camera_mask.items():
             if name not in self.images:
                 raise InvalidInputError(f"camera_mask[{name!r}]: no such camera in images")
-            if m.dtype != torch.bool or m.shape != (b,):
-                raise InvalidInputError(f"camera_mask[{name!r}]: expected bool [{b}], got {m.dtype} {list(m.shape)}")
+            if not isinstance(m, Tensor) or m.dtype != torch.bool or m.shape != (b,):
+                got = f"{m.dtype} {list(m.shape)}" if isinstance(m, Tensor) else type(m).__name__
+                raise InvalidInputError(f"camera_mask[{name!r}]: expected a bool tensor [{b}], got {got}")
         if self.state is not None:
             check_float_tensor("state", self.state, (b, None))
 
@@ -140,6 +141,8 @@ def _pad_dim(x: Tensor, dim: int, size: int) -> Tensor:
 def canonicalize(obs: Observation, schema: InputSchema, tokenizer: ByteTokenizer, device=None,
                  dtype: torch.dtype = torch.float32) -> CanonicalBatch:
     """Validate `obs` and map it onto the backbone's input schema."""
+    if not isinstance(obs, Observation):
+        raise InvalidInputError(f"obs: expected an Observation, got {type(obs).__name__}")
     obs.validate(schema)
     size = schema.image_size
     views, masks = [], []

@@ -73,7 +73,7 @@ class ModelRunner:
 
     def execute(self, requests: list[Request], grouped: bool = True) -> list[Result]:
         """Run `requests`; results come back in the same order. `grouped=False` runs them one by one."""
-        results = [Result(r.tenant) for r in requests]
+        results = [Result(getattr(r, "tenant", "?")) for r in requests]
         batches: dict[int, CanonicalBatch] = {}
         for i, req in enumerate(requests):
             t0 = time.perf_counter()

@@ -98,9 +98,11 @@ class Slot:
         check_float_tensor("actions", actions, (batch, h, a))
         if action_mask is None:
             action_mask = torch.ones(batch, h, dtype=torch.bool)
-        elif action_mask.dtype != torch.bool or tuple(action_mask.shape) != (batch, h):
-            raise InvalidInputError(f"action_mask: expected bool [{batch}, {h}], got "
-                                    f"{action_mask.dtype} {list(action_mask.shape)}")
+        elif not isinstance(action_mask, Tensor) or action_mask.dtype != torch.bool \
+                or tuple(action_mask.shape) != (batch, h):
+            got = f"{action_mask.dtype} {list(action_mask.shape)}" if isinstance(action_mask, Tensor) \
+                else type(action_mask).__name__
+            raise InvalidInputError(f"action_mask: expected a bool tensor [{batch}, {h}], got {got}")
         actions = self.stats["action"].normalize(actions.to(self.device, torch.float32))
         return actions, action_mask.to(self.device)
 
@@ -181,7 +183,8 @@ class Slot:
     def save(self, path: str | Path) -> None:
         if self.accumulated:
             raise InvalidInputError(f"save: tenant {self.tenant!r} has un-stepped gradients; call optim_step first")
-        atomic_save_safetensors(*self.state_tensors(), path)
+        tensors, meta = self.state_tensors()
+        atomic_save_safetensors(tensors, path, meta)
 
     def load_state(self, path: str | Path) -> None:
         """Restore this tenant's state from a file it saved; refuses another tenant's or head's file."""

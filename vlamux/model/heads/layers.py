@@ -87,6 +87,9 @@ class ChunkDecoder(nn.Module):
 
     def forward(self, tokens: Tensor, feature: VLAFeature, cond: Tensor | None = None) -> Tensor:
         if self.feature_layers:
+            if len(feature.layers) < self.feature_layers:
+                raise ValueError(f"head reads the last {self.feature_layers} backbone layers, the feature "
+                                 f"carries {len(feature.layers)}")
             memories = [self.memory_proj(h) for h in feature.layers[-self.feature_layers:]]
         else:
             memories = [self.memory_proj(feature.hidden)] * len(self.blocks)

@@ -1,0 +1,62 @@
+"""Shared helpers of the benchmark scripts: timing, tables, result files."""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def interleaved_medians(contenders: dict[str, Callable[[], object]], repeats: int, device: str) -> dict[str, float]:
+    """Median seconds per contender, run in alternating order so drift on a shared machine hits all alike."""
+    samples: dict[str, list[float]] = {k: [] for k in contenders}
+    names = list(contenders)
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            samples[name].append(timed(contenders[name], device))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
+    """columns: (key, format spec) pairs."""
+    header = [k for k, _ in columns]
+    cells = [[format(row[k], f) for k, f in columns] for row in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(header)]
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    for c in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
+
+
+def environment(device: str) -> dict:
+    env = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "machine": platform.machine(), "processor": platform.processor() or platform.machine()}
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
+    return env
+
+
+def write_json(name: str, payload, out: str | None = None) -> Path:
+    path = Path(out) if out else RESULTS / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path

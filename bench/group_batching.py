@@ -1,0 +1,139 @@
+"""Group batching benchmark: serial per-tenant execution vs one grouped execution.
+
+For N tenants (heads cycling l1_chunk, flow, gaussian, bins) x local batch b,
+on the `small` preset with two 128x128 cameras and ~20-token instructions, it
+times in one run, interleaved:
+  inference  serial: N x (canonicalise + backbone + head sample)
+             grouped: canonicalise N + one backbone forward + N head samples
+  train      the same with forward_backward, plus every tenant's optimizer step
+  limit      raw backbone on the concatenated batch vs N raw backbone calls
+and writes bench/results/group_batching.json (a list of cells).
+
+    python bench/group_batching.py            # full grid, N, b in {1, 2, 4, 8}
+    python bench/group_batching.py --quick    # reduced grid, under a minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, interleaved_medians, print_table, write_json  # noqa: E402
+
+from vlamux.model import (BackboneSpec, CanonicalBatch, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec,
+                          Sample, build_backbone, canonicalize)
+from vlamux.synthetic import TaskProfile, make_batch
+
+HEAD_KINDS = ["l1_chunk", "flow", "gaussian", "bins"]
+# ~20-token instructions (byte tokens incl. BOS/EOS) that differ a little in length across tenants.
+TEMPLATES = ["pick up the {color} block", "push {color} cube away", "touch the {color} ball", "grab {color} box now"]
+FULL_GRID = list(itertools.product([1, 2, 4, 8], [1, 2, 4, 8]))
+QUICK_GRID = [(1, 1), (2, 1), (8, 1), (4, 2)]
+
+
+def build_cell(backbone, n_tenants: int, local_batch: int, device: str):
+    runner = ModelRunner(backbone)
+    data = []
+    g = torch.Generator().manual_seed(n_tenants * 100 + local_batch)
+    for i in range(n_tenants):
+        kind = HEAD_KINDS[i % len(HEAD_KINDS)]
+        spec = HeadSpec(kind, action_dim=7, horizon=8, state_dim=8)
+        runner.create_slot(f"tenant{i}", spec, OptimizerSpec(lr=1e-4), seed=i)
+        profile = TaskProfile({"agentview": (128, 128), "wrist": (128, 128)}, 7, 8, 8, TEMPLATES[i % 4])
+        obs, actions = make_batch(profile, local_batch, g)
+        data.append((f"tenant{i}", obs, actions))
+    return runner, data
+
+
+def measure_cell(backbone, n: int, b: int, mode: str, repeats: int, device: str) -> dict:
+    runner, data = build_cell(backbone, n, b, device)
+    if mode == "inference":
+        reqs = [Sample(t, obs) for t, obs, _ in data]
+    else:
+        reqs = [ForwardBackward(t, obs, act) for t, obs, act in data]
+
+    def run(grouped: bool):
+        def go():
+            results = runner.execute(reqs, grouped=grouped)
+            for r in results:
+                r.unwrap()
+            if mode == "train":
+                for t, _, _ in data:
+                    runner.optim_step(t).unwrap()
+            return results
+        return go
+
+    canon = [canonicalize(obs, backbone.schema, backbone.tokenizer, backbone.device) for _, obs, _ in data]
+    concat = CanonicalBatch.concat(canon)
+
+    @torch.no_grad()
+    def raw_separate():
+        for c in canon:
+            backbone(c)
+
+    @torch.no_grad()
+    def raw_concat():
+        backbone(concat)
+
+    contenders = {"serial": run(False), "grouped": run(True), "raw_separate": raw_separate, "raw_concat": raw_concat}
+    for fn in contenders.values():  # warm-up: allocator, kernels, lazy init
+        fn()
+    t = interleaved_medians(contenders, repeats, device)
+    head_s = sum(r.head_s for r in run(True)())
+    speedup = t["serial"] / t["grouped"]
+    limit = t["raw_separate"] / t["raw_concat"]
+    return {
+        "n_tenants": n, "local_batch": b, "mode": mode,
+        "serial_s": t["serial"], "grouped_s": t["grouped"], "speedup": speedup,
+        "limit_speedup": limit, "of_limit": speedup / limit,
+        "raw_separate_s": t["raw_separate"], "raw_concat_s": t["raw_concat"],
+        "head_fraction": min(1.0, head_s / t["grouped"]),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="reduced grid (includes N=8, b=1), under a minute")
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per contender (median is reported)")
+    ap.add_argument("--out", default=None, help="result file (default bench/results/group_batching[_quick].json)")
+    args = ap.parse_args(argv)
+
+    grid = QUICK_GRID if args.quick else FULL_GRID
+    repeats = args.repeats or (3 if args.quick else 5)
+    backbone = build_backbone(BackboneSpec(preset=args.preset), device=args.device)
+    env = environment(args.device)
+    print(f"group batching: preset={args.preset} ({backbone.num_parameters() / 1e6:.1f}M params), "
+          f"device={args.device}, threads={env['threads']}, repeats={repeats}, cells={len(grid) * 2}", flush=True)
+    cells = []
+    for mode in ("inference", "train"):
+        for n, b in grid:
+            cell = measure_cell(backbone, n, b, mode, repeats, args.device)
+            cell.update(preset=args.preset, device=args.device)
+            cells.append(cell)
+            print(f"  {mode:9s} N={n} b={b}: speedup {cell['speedup']:.2f}x, limit {cell['limit_speedup']:.2f}x",
+                  flush=True)
+    print()
+    print_table(cells, [("mode", "s"), ("n_tenants", "d"), ("local_batch", "d"), ("serial_s", ".3f"),
+                        ("grouped_s", ".3f"), ("speedup", ".2f"), ("limit_speedup", ".2f"), ("of_limit", ".2f"),
+                        ("head_fraction", ".2f")])
+    path = write_json("group_batching_quick.json" if args.quick else "group_batching.json", cells, args.out)
+    worst = min(c["of_limit"] for c in cells if c["mode"] == "inference")
+    print(f"\nworst inference cell: speedup = {worst:.2f} x limit_speedup (target >= 0.90)")
+    for mode in ("inference", "train"):
+        c = next((c for c in cells if c["mode"] == mode and c["n_tenants"] == 8 and c["local_batch"] == 1), None)
+        if c:
+            print(f"8 tenants x b=1 {mode}: {c['speedup']:.2f}x grouped vs serial (limit {c['limit_speedup']:.2f}x; "
+                  f"JoyNexus reports 3.24x on GPU)")
+    print(f"wrote {path}  ({env['processor']}, torch {env['torch']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
