@@ -27,13 +27,18 @@ def timed(fn: Callable[[], object], device: str) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved_medians(contenders: dict[str, Callable[[], object]], repeats: int, device: str) -> dict[str, float]:
-    """Median seconds per contender, run in alternating order so drift on a shared machine hits all alike."""
+def interleaved_medians(contenders: dict[str, Callable[[], object]], repeats: int, device: str,
+                        min_seconds: float = 0.0, max_rounds: int = 40) -> dict[str, float]:
+    """Median seconds per contender, run in alternating order so drift on a shared machine hits all
+    alike; at least `repeats` rounds, more (up to `max_rounds`) until each contender has run
+    `min_seconds` in all, so short cells get enough samples to beat the noise."""
     samples: dict[str, list[float]] = {k: [] for k in contenders}
     names = list(contenders)
-    for r in range(repeats):
+    r = 0
+    while r < repeats or (r < max_rounds and min(sum(v) for v in samples.values()) < min_seconds):
         for name in (names if r % 2 == 0 else names[::-1]):
             samples[name].append(timed(contenders[name], device))
+        r += 1
     return {k: statistics.median(v) for k, v in samples.items()}
 
 

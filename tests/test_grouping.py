@@ -141,3 +141,23 @@ def test_accounting_splits_backbone_time_by_rows(backbone):
     assert all(r.backbone_s > 0 and r.head_s > 0 for r in res)
     # acme has 6 of 12 rows: its share of the forward is larger than any 2-row tenant's
     assert res[0].backbone_s > max(r.backbone_s for r in res[1:])
+
+
+def test_padded_default_grouping_equals_packed(backbone):
+    """Backbone.forward_group's default (pad, one forward, trim) — what adapters without packing get —
+    gives the same per-request features as the built-in packed path and as running alone."""
+    from vlamux.model import Backbone, canonicalize
+
+    data = tenant_batches(batch=2)
+    batches = [canonicalize(obs, backbone.schema, backbone.tokenizer) for obs, _ in data.values()]
+    with torch.no_grad():
+        packed = backbone.forward_group(batches, n_layers=2)
+        padded = Backbone.forward_group(backbone, batches, n_layers=2)
+        alone = [backbone(b, n_layers=2) for b in batches]
+    assert len({b.text_len for b in batches}) > 1 and len({b.n_cameras for b in batches}) > 1
+    for p, q, a in zip(packed, padded, alone):
+        assert p.hidden.shape == q.hidden.shape == a.hidden.shape
+        assert torch.equal(p.mask, a.mask) and torch.equal(q.token_type, a.token_type)
+        for x, y in ((p, a), (q, a)):
+            assert (x.hidden - y.hidden).abs().max() <= TOL
+            assert all((lx - ly).abs().max() <= TOL for lx, ly in zip(x.layers, y.layers))

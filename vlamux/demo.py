@@ -94,8 +94,9 @@ def main(argv=None) -> int:
     batches = [{t: make_batch(p, args.batch, g) for t, (_, p) in TENANTS.items()} for _ in range(args.timing_steps)]
     times = {}
     for grouped in (True, False, True, False):
-        twin = copy.deepcopy(runner)
-        twin.backbones = runner.backbones  # share the resident backbone, copy only the slots
+        twin = ModelRunner(list(runner.backbones.values()))  # the same resident backbone, copies of the slots
+        for slot in runner.slots.values():
+            twin.add_slot(copy.deepcopy(slot))
         start = time.perf_counter()
         train_steps(twin, batches, grouped)
         times.setdefault(grouped, []).append(time.perf_counter() - start)

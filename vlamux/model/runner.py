@@ -16,7 +16,7 @@ import torch
 from vlamux.errors import InvalidInputError, UnknownTenantError
 from vlamux.model.backbones import Backbone
 from vlamux.model.batch import CanonicalBatch, canonicalize
-from vlamux.model.feature import VLAFeature, token_index
+from vlamux.model.feature import VLAFeature
 from vlamux.model.group import ForwardBackward, Request, Result, Sample, plan_groups
 from vlamux.model.heads import HeadSpec
 from vlamux.model.slot import OptimizerSpec, Slot
@@ -107,9 +107,8 @@ class ModelRunner:
         n_layers = max(s.head_spec.feature_layers for s in slots)
         t0 = time.perf_counter()
         try:
-            batch = CanonicalBatch.concat([batches[i] for i in group])
             with torch.no_grad():
-                feature = backbone(batch, n_layers=n_layers)
+                features = backbone.forward_group([batches[i] for i in group], n_layers=n_layers)
             _sync(backbone.device)
         except Exception as e:  # noqa: BLE001
             if len(group) > 1:
@@ -122,35 +121,20 @@ class ModelRunner:
             return
         backbone_s = time.perf_counter() - t0
 
-        total_rows = batch.batch_size
-        start = 0
-        for i, slot in zip(group, slots):
-            own = batches[i]
-            rows = slice(start, start + own.batch_size)
-            start += own.batch_size
+        total_rows = sum(batches[i].batch_size for i in group)
+        for i, slot, feature in zip(group, slots, features):
             res = results[i]
             res.group_size = len(group)
-            res.backbone_s += backbone_s * own.batch_size / total_rows
+            res.backbone_s += backbone_s * batches[i].batch_size / total_rows
             t1 = time.perf_counter()
             try:
-                mine = self._features_of(feature, rows, own, batch, slot.head_spec.feature_layers)
+                mine = feature.select(slice(None), None, slot.head_spec.feature_layers)
                 res.output = self._run_head(requests[i], slot, mine)
             except Exception as e:  # noqa: BLE001 - one tenant's failure is that tenant's result
                 log.debug("tenant %r request failed: %s", slot.tenant, e)
                 res.error = e
             _sync(backbone.device)
             res.head_s = time.perf_counter() - t1
-
-    @staticmethod
-    def _features_of(feature: VLAFeature, rows: slice, own: CanonicalBatch, group: CanonicalBatch,
-                     n_layers: int) -> VLAFeature:
-        """A request's rows, trimmed to its own cameras and instruction length (as if it ran alone)."""
-        index = None
-        if own.n_cameras != group.n_cameras or own.text_len != group.text_len:
-            m = feature.meta
-            index = token_index(m.n_query, m.patches_per_camera, own.n_cameras, own.text_len, group.n_cameras,
-                                feature.hidden.device)
-        return feature.select(rows, index, n_layers)
 
     @staticmethod
     def _run_head(req: Request, slot: Slot, feature: VLAFeature) -> dict:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from vlamux.model.batch import CanonicalBatch, InputSchema
-from vlamux.model.feature import FeatureMeta, VLAFeature
+from vlamux.model.feature import FeatureMeta, VLAFeature, token_index
 from vlamux.model.tokenizer import ByteTokenizer
 
 
@@ -31,6 +31,28 @@ class Backbone(nn.Module, abc.ABC):
     @abc.abstractmethod
     def forward(self, batch: CanonicalBatch, n_layers: int = 0) -> VLAFeature:
         """Features of `batch`; `n_layers` > 0 also returns the last n blocks' hidden states."""
+
+    def forward_group(self, batches: list[CanonicalBatch], n_layers: int = 0) -> list[VLAFeature]:
+        """Features of several requests' batches from one backbone pass, one `VLAFeature` per batch,
+        each shaped as if its batch had run alone.
+
+        This default pads the batches to one (masked), runs `forward` once and trims each request's
+        features back to its own cameras and instruction length. Backbones that can skip the padding
+        (the built-in one packs tokens) override it.
+        """
+        if len(batches) == 1:
+            return [self(batches[0], n_layers=n_layers)]
+        group = CanonicalBatch.concat(batches)
+        feature = self(group, n_layers=n_layers)
+        m, out, start = feature.meta, [], 0
+        for b in batches:
+            index = None
+            if b.n_cameras != group.n_cameras or b.text_len != group.text_len:
+                index = token_index(m.n_query, m.patches_per_camera, b.n_cameras, b.text_len, group.n_cameras,
+                                    feature.hidden.device)
+            out.append(feature.select(slice(start, start + b.batch_size), index))
+            start += b.batch_size
+        return out
 
     def freeze(self) -> Backbone:
         self.eval()

@@ -62,11 +62,21 @@ class Block(nn.Module):
         hidden = int(dim * mlp_ratio)
         self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim))
 
-    def forward(self, x: Tensor, attn_mask: Tensor) -> Tensor:
-        b, n, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, n, d))
+    def forward(self, x: Tensor, segments: list[tuple[int, int, Tensor]]) -> Tensor:
+        """x: packed tokens [T, D] of consecutive segments (rows, length, key mask [rows, 1, 1, length]).
+
+        Token-wise layers run on all tokens at once; attention runs per segment, over that
+        segment's own length, so no request pays for another's padding.
+        """
+        d = x.shape[-1]
+        qkv = self.qkv(self.norm1(x))
+        outs, start = [], 0
+        for rows, length, mask in segments:
+            n = rows * length
+            q, k, v = qkv[start:start + n].view(rows, length, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(n, d))
+            start += n
+        x = x + self.proj(outs[0] if len(outs) == 1 else torch.cat(outs))
         return x + self.mlp(self.norm2(x))
 
 
@@ -104,22 +114,42 @@ class BuiltinBackbone(Backbone):
         return FeatureMeta(self.backbone_id, c.dim, c.depth, c.n_query, c.patches_per_camera)
 
     def forward(self, batch: CanonicalBatch, n_layers: int = 0) -> VLAFeature:
+        return self.forward_group([batch], n_layers)[0]
+
+    def forward_group(self, batches: list[CanonicalBatch], n_layers: int = 0) -> list[VLAFeature]:
         c = self.config
         if not 0 <= n_layers <= c.depth:
             raise ValueError(f"n_layers must be in [0, {c.depth}], got {n_layers}")
-        b, k = batch.batch_size, batch.n_cameras
-        t = batch.text_len
+        embedded = [self._embed(b) for b in batches]
+        x = torch.cat([e[0].reshape(-1, c.dim) for e in embedded])
+        segments = _merge_equal_lengths([(e[0].shape[0], e[0].shape[1], e[1]) for e in embedded])
+        kept = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, segments)
+            if i >= c.depth - n_layers:
+                kept.append(x)
+        x = self.norm(x)
+        out, start = [], 0
+        for h, mask, token_type in embedded:
+            rows, length = mask.shape
+            piece = slice(start, start + rows * length)
+            start += rows * length
+            out.append(VLAFeature(x[piece].view(rows, length, c.dim), mask, token_type, self.meta,
+                                  tuple(t[piece].view(rows, length, c.dim) for t in kept)))
+        return out
+
+    def _embed(self, batch: CanonicalBatch) -> tuple[Tensor, Tensor, Tensor]:
+        """Input tokens [B, L, D], mask [B, L] and token types [B, L] of one request's batch."""
+        c = self.config
+        b, k, t = batch.batch_size, batch.n_cameras, batch.text_len
         if k > c.max_cameras or t > c.max_text_tokens:
             raise ValueError(f"batch has {k} cameras / {t} tokens; limits {c.max_cameras} / {c.max_text_tokens}")
         pixels = batch.pixels.to(self.patch_pos.dtype)
         patches = self.patch_embed(pixels.flatten(0, 1)).flatten(2).transpose(1, 2)  # [B*K, P, D]
         patches = patches.view(b, k, -1, c.dim) + self.patch_pos + self.camera_embed[:k, None]
         text = self.token_embed(batch.tokens) + self.text_pos[:t]
-        query = self.query.expand(b, -1, -1)
-        x = torch.cat([query, patches.flatten(1, 2), text], dim=1)
-
-        p = c.patches_per_camera
-        dev = x.device
+        x = torch.cat([self.query.expand(b, -1, -1), patches.flatten(1, 2), text], dim=1)
+        p, dev = c.patches_per_camera, x.device
         mask = torch.cat([
             torch.ones(b, c.n_query, dtype=torch.bool, device=dev),
             batch.camera_mask.repeat_interleave(p, dim=1),
@@ -130,14 +160,19 @@ class BuiltinBackbone(Backbone):
             (TokenType.CAMERA + torch.arange(k, device=dev)).repeat_interleave(p),
             torch.full((t,), TokenType.TEXT, device=dev),
         ]).expand(b, -1)
+        return x, mask, token_type
 
-        attn_mask = mask[:, None, None, :]  # keys only: padded rows still attend to real keys
-        layers = []
-        for i, block in enumerate(self.blocks):
-            x = block(x, attn_mask)
-            if i >= c.depth - n_layers:
-                layers.append(x)
-        return VLAFeature(self.norm(x), mask, token_type, self.meta, tuple(layers))
+
+def _merge_equal_lengths(segments: list[tuple[int, int, Tensor]]) -> list[tuple[int, int, Tensor]]:
+    """Adjacent segments of equal length share one attention call; masks become key masks [rows, 1, 1, L]."""
+    merged: list[tuple[int, int, list[Tensor]]] = []
+    for rows, length, mask in segments:
+        if merged and merged[-1][1] == length:
+            merged[-1] = (merged[-1][0] + rows, length, merged[-1][2] + [mask])
+        else:
+            merged.append((rows, length, [mask]))
+    # Keys only: a padded query row still attends to real keys, so no row is all-masked.
+    return [(rows, length, torch.cat(masks)[:, None, None, :]) for rows, length, masks in merged]
 
 
 def builtin_config_dict(config: BuiltinConfig) -> dict:
