@@ -12,7 +12,8 @@ TORCH_PIN ?= torch==2.13.0
 setup: $(VENV)/.installed
 
 # The pinned torch goes in first so no later install can pull a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml scripts/setup-system.sh
+	bash scripts/setup-system.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(FIND_LINKS) $(TORCH_PIN)
 	$(PY) -m pip install -q $(FIND_LINKS) -e '.[dev]'
