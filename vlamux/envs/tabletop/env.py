@@ -42,7 +42,7 @@ class TabletopEnv(gym.Env):
         img = gym.spaces.Box(0, 255, (3, image_size, image_size), np.uint8)
         self.observation_space = gym.spaces.Dict({
             "images": gym.spaces.Dict({c: img for c in self.cameras}),
-            "state": gym.spaces.Box(-np.inf, np.inf, (len(STATE_NAMES),), np.float32),
+            "state": gym.spaces.Box(-10.0, 10.0, (len(STATE_NAMES),), np.float32),
             "instruction": gym.spaces.Text(max_length=256, charset=_CHARSET),
         })
         self.model = self.data = None

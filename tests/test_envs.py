@@ -1,0 +1,153 @@
+"""The built-in tabletop suite and worker-process vectorisation."""
+
+import os
+import signal
+import time
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from vlamux.envs import EnvError, EnvSpec, EnvTimeoutError, EnvWorkerCrashed, make_env
+from vlamux.envs.tabletop.env import TabletopEnv
+from vlamux.envs.tabletop.expert import ScriptedExpert
+from vlamux.envs.tabletop.tasks import SUITES, TASKS
+from vlamux.envs.workers import VectorEnv
+
+
+def run_episode(env: TabletopEnv, seed: int, policy) -> bool:
+    env.reset(seed=seed)
+    if hasattr(policy, "reset"):
+        policy.reset()
+    for _ in range(env.max_steps):
+        _, _, term, trunc, info = env.step(policy.act(env))
+        if term or trunc:
+            return bool(info["is_success"])
+    return False
+
+
+class RandomPolicy:
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+
+    def act(self, env):
+        return self.rng.uniform(-1, 1, 4)
+
+
+def test_single_env_passes_gymnasium_checker():
+    env = TabletopEnv("goal/push-red-cube-green-zone", image_size=32)
+    check_env(env, skip_render_check=True)
+    obs, info = env.reset(seed=0)
+    assert env.observation_space.contains(obs)
+    assert obs["images"]["agentview"].dtype == np.uint8 and obs["images"]["wrist"].shape == (3, 32, 32)
+    assert obs["instruction"] == "push the red cube into the green zone" and info["is_success"] is False
+    assert obs["images"]["agentview"].std() > 5  # a real picture, not a blank frame
+    env.close()
+
+
+def test_suites_mirror_libero_axes():
+    assert set(SUITES) == {"spatial", "object", "goal"}
+    assert all(len(ids) >= 4 for ids in SUITES.values())
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_scripted_expert_succeeds_and_random_rarely_does(task):
+    env = TabletopEnv(task, render=False)
+    expert = sum(run_episode(env, seed, ScriptedExpert()) for seed in range(20))
+    assert expert >= 19, f"{task}: expert {expert}/20"
+    rand = sum(run_episode(env, 1000 + seed, RandomPolicy(seed)) for seed in range(5))
+    assert rand <= 1, f"{task}: random policy {rand}/5"
+
+
+def test_seeding_is_reproducible():
+    a, b = TabletopEnv("object/touch-blue-ball", 32), TabletopEnv("object/touch-blue-ball", 32)
+    oa, _ = a.reset(seed=3)
+    ob, _ = b.reset(seed=3)
+    oc, _ = b.reset(seed=4)
+    assert np.array_equal(oa["images"]["agentview"], ob["images"]["agentview"])
+    assert not np.array_equal(oa["images"]["agentview"], oc["images"]["agentview"])
+    b.reset(seed=3)
+    for _ in range(5):
+        act = np.array([0.5, -0.3, -0.2, 1.0])
+        sa, sb = a.step(act)[0], b.step(act)[0]
+        assert np.array_equal(sa["state"], sb["state"])
+        assert np.array_equal(sa["images"]["wrist"], sb["images"]["wrist"])
+
+
+def test_bad_action_names_the_problem():
+    env = TabletopEnv("goal/touch-red-cube", render=False)
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match="action"):
+        env.step([0.0, 1.0])
+    with pytest.raises(ValueError, match="action"):
+        env.step([np.nan, 0, 0, 0])
+    with pytest.raises(ValueError, match="unknown tabletop task"):
+        TabletopEnv("goal/fly-away")
+
+
+@pytest.fixture
+def vec():
+    v = VectorEnv(EnvSpec(task="goal/lift-red-cube", image_size=32, n_action_steps=2), n_envs=4, n_workers=2,
+                  timeout_s=10)
+    yield v
+    v.close()
+
+
+def test_vector_env_contract_and_chunks(vec):
+    obs, infos = vec.reset(seed=0)
+    assert obs["images"]["agentview"].shape == (4, 3, 32, 32) and obs["images"]["agentview"].dtype == np.uint8
+    assert obs["state"].shape == (4, 8) and obs["state"].dtype == np.float32
+    assert obs["instruction"] == ["pick up the red cube"] * 4 and len(infos) == 4
+    assert os.getpid() not in vec.worker_pids()  # simulators never run in the caller
+    chunk = np.zeros((4, 8, 4), np.float32)
+    chunk[:, :, 2] = 1.0  # up
+    z0 = obs["state"][:, 2].copy()
+    obs, reward, term, trunc, infos = vec.step(chunk)
+    assert reward.shape == (4,) and term.dtype == bool and "is_success" in infos[0]
+    # two actions of the chunk ran (n_action_steps=2), each moving up to 3 cm
+    assert np.all(obs["state"][:, 2] - z0 > 0.03)
+    with pytest.raises(ValueError, match="actions"):
+        vec.step(np.zeros((3, 4)))
+
+
+def test_vector_env_seeding_reproducible(vec):
+    a, _ = vec.reset(seed=5)
+    b, _ = vec.reset(seed=5)
+    assert np.array_equal(a["images"]["agentview"], b["images"]["agentview"])
+    assert not np.array_equal(a["images"]["agentview"][0], a["images"]["agentview"][1])  # sub-env i: seed + i
+
+
+def test_killed_worker_is_detected_and_replaced(vec):
+    vec.reset(seed=0)
+    os.kill(vec.worker_pids()[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(EnvWorkerCrashed, match="died") as err:
+        vec.step(np.zeros((4, 4)))
+    assert time.monotonic() - t0 < vec.timeout_s
+    assert err.value.failed_envs == [0, 1] and set(err.value.partial) == {1}
+    assert vec.restarts == 1
+    with pytest.raises(EnvError, match="need reset"):
+        vec.step(np.zeros((4, 4)))
+    vec.reset(seed=1, indices=[0, 1])
+    assert vec.step(np.zeros((4, 4)))[1].shape == (4,)
+
+
+def test_hung_worker_times_out_and_is_replaced(vec):
+    vec.reset(seed=0)
+    old = vec.worker_pids()[1]
+    t0 = time.monotonic()
+    with pytest.raises(EnvTimeoutError, match="within 1.0s"):
+        vec.debug_sleep(1, 60, timeout_s=1.0)
+    assert time.monotonic() - t0 < 1.0 + 5.0  # the caller is back promptly (kill + respawn included)
+    assert vec.worker_pids()[1] != old
+    vec.reset(seed=0)
+    assert vec.step(np.zeros((4, 4)))[0]["state"].shape == (4, 8)
+
+
+def test_make_env_rejects_unknown_backend_and_options():
+    with pytest.raises(ValueError, match="backend"):
+        make_env(EnvSpec(backend="nope"))
+    with pytest.raises(ValueError, match="options"):
+        make_env(EnvSpec(options={"colour": 1}))
+    assert isinstance(make_env(EnvSpec(image_size=16)), gym.Env)
