@@ -151,3 +151,14 @@ def test_make_env_rejects_unknown_backend_and_options():
     with pytest.raises(ValueError, match="options"):
         make_env(EnvSpec(options={"colour": 1}))
     assert isinstance(make_env(EnvSpec(image_size=16)), gym.Env)
+
+
+def test_record_writes_a_gif_a_person_can_open(tmp_path):
+    import imageio.v3 as iio
+
+    from vlamux.envs.record import record
+
+    out = str(tmp_path / "ep.gif")
+    n, ok = record(EnvSpec(task="goal/touch-red-cube", image_size=32), "expert", 0, out)
+    frames = iio.imread(out)
+    assert ok and frames.shape[0] == n and frames.shape[1:3] == (32, 64)  # agentview | wrist
