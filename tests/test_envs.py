@@ -161,4 +161,5 @@ def test_record_writes_a_gif_a_person_can_open(tmp_path):
     out = str(tmp_path / "ep.gif")
     n, ok = record(EnvSpec(task="goal/touch-red-cube", image_size=32), "expert", 0, out)
     frames = iio.imread(out)
-    assert ok and frames.shape[0] == n and frames.shape[1:3] == (32, 64)  # agentview | wrist
+    # GIF writers merge the identical held frames at the end
+    assert ok and n - 5 <= frames.shape[0] <= n and frames.shape[1:3] == (32, 64)  # agentview | wrist
