@@ -114,11 +114,9 @@ def feature_stats(x: np.ndarray) -> dict[str, np.ndarray]:
     x = np.asarray(x)
     if x.ndim == 1:
         x = x[:, None]
+    out = {"min": x.min(0), "max": x.max(0)}  # in the feature's dtype, as LeRobot stores them
     x = x.astype(np.float64)
-    out = {
-        "min": x.min(0), "max": x.max(0), "mean": x.mean(0), "std": x.std(0),
-        "count": np.array([x.shape[0]], dtype=np.int64),
-    }
+    out.update(mean=x.mean(0), std=x.std(0), count=np.array([x.shape[0]], dtype=np.int64))
     qs = np.quantile(x, DEFAULT_QUANTILES, axis=0)
     for q, v in zip(DEFAULT_QUANTILES, qs):
         out[f"q{int(round(q * 100)):02d}"] = v
@@ -138,7 +136,7 @@ def image_stats(frames: np.ndarray) -> dict[str, np.ndarray]:
     if max(h, w) >= 300:  # LeRobot downsamples large images before computing statistics
         step = int(max(h, w) / 150)
         sample = sample[:, ::step, ::step]
-    flat = sample.reshape(-1, sample.shape[-1]).astype(np.float64) / 255.0
+    flat = sample.reshape(-1, sample.shape[-1]) / 255.0
     out = feature_stats(flat)
     out = {k: (v if k == "count" else v.reshape(-1, 1, 1)) for k, v in out.items()}
     out["count"] = np.array([len(sample)], dtype=np.int64)
@@ -408,9 +406,14 @@ class EpisodeDataset:
         missing = [f for f in ("mean", "std", "min", "max") if f not in entry]
         if missing:
             raise MissingKeyError(f"{self.stats_source}[{key!r}] has no {_have(missing)} (it has: {_have(entry)})")
-        t = {f: torch.as_tensor(np.asarray(entry[f], dtype=np.float32).reshape(-1)) for f in ("mean", "std", "min",
-                                                                                              "max")}
-        return NormStats(t["mean"], t["std"], t["min"], t["max"], mode)
+        t = [torch.as_tensor(np.asarray(entry[f], dtype=np.float32).reshape(-1)) for f in ("mean", "std", "min", "max")]
+        return NormStats(*t, mode=mode)
+
+    def episode(self, i: int) -> Episode:
+        """Episode i: its non-camera features as arrays [T, ...]; cameras through `Episode.images`."""
+        i = self._check_episode(i)
+        data = {k: self.episode_array(i, k) for k, ft in self.features.items() if ft.get("dtype") not in CAMERA_DTYPES}
+        return Episode(i, self.episode_length(i), self.frame_tasks(i)[0], data, self)
 
     def _check_episode(self, i: int) -> int:
         if not isinstance(i, (int, np.integer)) or not 0 <= i < self.num_episodes:
@@ -446,7 +449,7 @@ class Episode:
     length: int
     task: str
     data: dict[str, np.ndarray]
-    _dataset: LeRobotDataset = field(repr=False)
+    _dataset: EpisodeDataset = field(repr=False)
 
     def images(self, key: str) -> np.ndarray:
         """uint8 [T, H, W, 3]."""
@@ -621,7 +624,10 @@ class LeRobotDataset(EpisodeDataset):
         if not path.is_file():
             raise DatasetFormatError(f"{path}: data file of episode {i} missing")
         try:
-            table = pq.read_table(path, filters=[("episode_index", "=", i)])
+            if "episode_index" in pq.read_schema(path).names:
+                table = pq.read_table(path, filters=[("episode_index", "=", i)])
+            else:  # one episode per file (v2.x) without the column
+                table = pq.read_table(path)
         except (pa.ArrowInvalid, OSError) as e:
             raise DatasetFormatError(f"{path}: cannot read ({e})") from None
         if table.num_rows != ep.length:
@@ -690,6 +696,7 @@ class LeRobotDataset(EpisodeDataset):
         return [tasks[0]] * self.episodes[i].length
 
     def episode(self, i: int) -> Episode:
+        """Episode i: every parquet column but the cameras ([T, ...]); cameras through `Episode.images`."""
         i = self._check_episode(i)
         return Episode(i, self.episodes[i].length, self.frame_tasks(i)[0], self.episode_data(i), self)
 
@@ -738,6 +745,7 @@ class _VideoFile:
         self.stream.width, self.stream.height = width, height
         self.time_base = Fraction(1, fps)
         self.frames = 0
+        self.bytes = 0  # of the packets muxed so far (the file on disk lags behind the muxer)
 
     def add(self, images: np.ndarray) -> None:
         import av
@@ -746,11 +754,12 @@ class _VideoFile:
             frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
             frame.pts, frame.time_base = self.frames, self.time_base
             for packet in self.stream.encode(frame):
+                self.bytes += packet.size
                 self.container.mux(packet)
             self.frames += 1
 
     def size_mb(self) -> float:
-        return self.path.stat().st_size / 2 ** 20 if self.path.exists() else 0.0
+        return self.bytes / 2 ** 20
 
     def close(self) -> None:
         for packet in self.stream.encode():
@@ -988,7 +997,8 @@ class LeRobotWriter:
         if self._closed:
             raise DatasetError(f"{self.root}: writer already finalized or aborted")
         if not self._episodes:
-            raise DatasetError(f"{self.root}: no episodes were added")
+            self.abort()
+            raise DatasetError(f"{self.root}: no episodes were added; nothing written")
         try:
             if self._data_writer is not None:
                 self._data_writer.close()
@@ -1050,8 +1060,8 @@ class LeRobotWriter:
             "total_frames": self._frames,
             "total_tasks": len(self._tasks),
             "chunks_size": self.chunks_size,
-            "data_files_size_in_mb": self.data_mb,
-            "video_files_size_in_mb": self.video_mb,
+            "data_files_size_in_mb": _num(self.data_mb),
+            "video_files_size_in_mb": _num(self.video_mb),
             "fps": self.fps,
             "splits": {"train": f"0:{len(self._episodes)}"},
             "data_path": DATA_PATH,
@@ -1083,6 +1093,10 @@ class LeRobotWriter:
             self.abort()
         elif not self._closed:
             self.finalize()
+
+
+def _num(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
 
 
 def _png_column(images: np.ndarray) -> pa.Array:
