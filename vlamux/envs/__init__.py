@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import importlib
+
 from vlamux.envs.base import ActionSpace, EnvError, EnvSpec, EnvTimeoutError, EnvWorkerCrashed
+
+# backend -> "module:factory"; imported on first use so a missing optional extra only matters to its users.
+BACKENDS = {
+    "tabletop": "vlamux.envs.tabletop.env:make_tabletop_env",
+    "maniskill": "vlamux.envs.maniskill:make_maniskill_env",
+}
 
 
 def make_env(spec: EnvSpec):
     """A single gymnasium env for `spec`, in this process (workers call this; callers use VectorEnv)."""
-    if spec.backend == "tabletop":
-        from vlamux.envs.tabletop.env import TabletopEnv
-
-        unknown = set(spec.options) - {"render"}
-        if unknown:
-            raise ValueError(f"env spec: unknown options {sorted(unknown)} for backend 'tabletop'")
-        return TabletopEnv(spec.task, spec.image_size, spec.cameras, spec.max_steps,
-                           render=spec.options.get("render", True))
-    raise ValueError(f"env spec: unknown backend {spec.backend!r}; available: ['tabletop']")
+    if spec.backend not in BACKENDS:
+        raise ValueError(f"env spec: unknown backend {spec.backend!r}; available: {sorted(BACKENDS)}")
+    module, factory = BACKENDS[spec.backend].split(":")
+    return getattr(importlib.import_module(module), factory)(spec)
 
 
-__all__ = ["ActionSpace", "EnvError", "EnvSpec", "EnvTimeoutError", "EnvWorkerCrashed", "make_env"]
+__all__ = ["ActionSpace", "BACKENDS", "EnvError", "EnvSpec", "EnvTimeoutError", "EnvWorkerCrashed", "make_env"]

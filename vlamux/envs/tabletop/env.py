@@ -185,3 +185,10 @@ def _place(rng: np.random.Generator, n: int, min_dist: float) -> np.ndarray:
 
 
 _CHARSET = "".join(chr(c) for c in range(32, 127))
+
+
+def make_tabletop_env(spec) -> TabletopEnv:
+    unknown = set(spec.options) - {"render"}
+    if unknown:
+        raise ValueError(f"env spec: unknown options {sorted(unknown)} for backend 'tabletop'")
+    return TabletopEnv(spec.task, spec.image_size, spec.cameras, spec.max_steps, render=spec.options.get("render", True))

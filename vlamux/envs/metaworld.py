@@ -1,0 +1,253 @@
+"""Meta-World (v3, the `metaworld` 3.x package) as a vlamux backend.
+
+One Sawyer task per env, e.g. ``"reach-v3"`` (also ``"mt10/reach-v3"`` or ``"mt50/reach-v3"``, which
+only check that the task belongs to that benchmark). Each task has Meta-World's 50 fixed
+goal/object variations (``metaworld.MT1(name, seed=task_seed)``); ``reset(seed)`` picks one with the
+env's seeded RNG and calls ``set_task`` on it, so the same seed gives the same variation and the
+same first frame.
+
+Observation (the vlamux contract): ``images`` — one uint8 [3, H, W] frame per camera, rendered at
+``image_size`` by our own ``mujoco.Renderer`` (shadows, reflections, multisampling off); ``state`` —
+Meta-World's full 39-D observation as float32 (hand xyz, gripper opening, 14 object dims, the same
+18 dims of the previous step, then the 3-D goal, which the MT setting makes visible);
+``instruction`` — a sentence we wrote for each MT50 task (`INSTRUCTIONS`). Actions are 4-D in
+[-1, 1]: end-effector xyz deltas (1 cm per unit) and the gripper effort (+1 closes). Reward is
+Meta-World's shaped reward (0..10); the episode terminates on ``info["success"]`` and is truncated
+at ``max_steps``.
+
+Cameras: Meta-World's ``topview``, ``corner``, ``corner2``, ``corner3``, ``corner4``,
+``behindGripper``, ``gripperPOV``, plus the aliases ``agentview`` (= corner) and ``wrist``
+(= gripperPOV) so that the default `EnvSpec` cameras work. The corner cameras are mounted upside
+down in the Meta-World model; frames from any camera whose up axis points below the horizon are
+rotated 180 degrees so they come out upright (not mirrored).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import gymnasium as gym
+import numpy as np
+
+from vlamux.envs.render import configure_gl
+
+configure_gl()
+import mujoco  # noqa: E402  (after the GL backend is chosen)
+
+from vlamux.envs.base import ActionSpace, EnvSpec  # noqa: E402
+
+ACTION_SPACE = ActionSpace(4, (-1.0,) * 4, (1.0,) * 4, "delta_ee_pos+gripper",
+                           ("dx", "dy", "dz", "gripper(+1 close, -1 open)"))
+STATE_DIM = 39
+STATE_BOUND = 10.0  # metres / unit quaternions; the state is clipped to it (only a blown-up sim reaches it)
+STATE_NAMES = (
+    ("hand_x", "hand_y", "hand_z", "gripper_open")
+    + tuple(f"obj_{i}" for i in range(14))
+    + ("prev_hand_x", "prev_hand_y", "prev_hand_z", "prev_gripper_open")
+    + tuple(f"prev_obj_{i}" for i in range(14))
+    + ("goal_x", "goal_y", "goal_z")
+)
+
+MT10_TASKS: tuple[str, ...] = (
+    "reach-v3", "push-v3", "pick-place-v3", "door-open-v3", "drawer-open-v3", "drawer-close-v3",
+    "button-press-topdown-v3", "peg-insert-side-v3", "window-open-v3", "window-close-v3",
+)
+
+# Short imperative instructions, one per MT50 task (goal colours named where the goal marker is drawn).
+INSTRUCTIONS: dict[str, str] = {
+    "assembly-v3": "pick up the nut and place it onto the peg",
+    "basketball-v3": "pick up the ball and dunk it into the basket",
+    "bin-picking-v3": "pick up the puck and move it into the other bin",
+    "box-close-v3": "pick up the lid and place it on the box",
+    "button-press-topdown-v3": "press the button from the top",
+    "button-press-topdown-wall-v3": "reach over the wall and press the button from the top",
+    "button-press-v3": "press the button",
+    "button-press-wall-v3": "reach around the wall and press the button",
+    "coffee-button-v3": "push the button on the coffee machine",
+    "coffee-pull-v3": "pull the mug away from the coffee machine",
+    "coffee-push-v3": "push the mug under the coffee machine",
+    "dial-turn-v3": "turn the dial",
+    "disassemble-v3": "pick the nut off the peg",
+    "door-close-v3": "close the door",
+    "door-lock-v3": "lock the door by turning the lock",
+    "door-open-v3": "open the door",
+    "door-unlock-v3": "unlock the door by turning the lock",
+    "hand-insert-v3": "insert the gripper into the hole",
+    "drawer-close-v3": "push the drawer closed",
+    "drawer-open-v3": "pull the drawer open",
+    "faucet-open-v3": "turn the faucet handle to open the faucet",
+    "faucet-close-v3": "turn the faucet handle to close the faucet",
+    "hammer-v3": "pick up the hammer and hammer the nail into the wall",
+    "handle-press-side-v3": "press the handle down from the side",
+    "handle-press-v3": "press the handle down",
+    "handle-pull-side-v3": "pull the handle up from the side",
+    "handle-pull-v3": "pull the handle up",
+    "lever-pull-v3": "pull the lever up",
+    "pick-place-wall-v3": "pick up the puck and place it at the blue goal behind the wall",
+    "pick-out-of-hole-v3": "pick the puck out of the hole",
+    "pick-place-v3": "pick up the puck and place it at the blue goal",
+    "plate-slide-v3": "slide the plate into the goal",
+    "plate-slide-side-v3": "slide the plate sideways into the goal",
+    "plate-slide-back-v3": "slide the plate back out of the goal",
+    "plate-slide-back-side-v3": "slide the plate sideways back out of the goal",
+    "peg-insert-side-v3": "pick up the peg and insert it sideways into the hole",
+    "peg-unplug-side-v3": "unplug the peg sideways",
+    "soccer-v3": "kick the ball into the goal",
+    "stick-push-v3": "grasp the stick and push the box with it",
+    "stick-pull-v3": "grasp the stick and pull the box with it",
+    "push-v3": "push the puck to the green goal",
+    "push-wall-v3": "push the puck around the wall to the green goal",
+    "push-back-v3": "pull the puck back to the green goal",
+    "reach-v3": "reach the red goal point",
+    "reach-wall-v3": "reach over the wall to the red goal point",
+    "shelf-place-v3": "pick up the puck and place it on the shelf",
+    "sweep-into-v3": "sweep the puck into the hole",
+    "sweep-v3": "sweep the puck off the table",
+    "window-open-v3": "slide the window open",
+    "window-close-v3": "slide the window closed",
+}
+MT50_TASKS: tuple[str, ...] = tuple(INSTRUCTIONS)
+
+CAMERAS = ("topview", "corner", "corner2", "corner3", "corner4", "behindGripper", "gripperPOV")
+CAMERA_ALIASES = {"agentview": "corner", "wrist": "gripperPOV"}
+DEFAULT_CAMERAS = ("corner", "gripperPOV")
+OPTIONS = {"render", "task_seed"}  # EnvSpec.options this backend understands
+
+
+def parse_task(task: str) -> str:
+    """'reach-v3', 'mt10/reach-v3' or 'mt50/reach-v3' -> 'reach-v3' (ValueError naming the valid names)."""
+    suite, _, name = task.rpartition("/")
+    valid = {"": MT50_TASKS, "mt50": MT50_TASKS, "mt10": MT10_TASKS}
+    names = valid.get(suite.lower())
+    if names is None:
+        raise ValueError(f"unknown metaworld task {task!r}: prefix must be 'mt10/' or 'mt50/' (or none); "
+                         f"tasks: {list(MT50_TASKS)}")
+    if name not in names:
+        raise ValueError(f"unknown metaworld task {task!r}; valid {'MT50' if names is MT50_TASKS else 'MT10'} "
+                         f"names: {list(names)}")
+    return name
+
+
+@lru_cache(maxsize=8)
+def _variations(name: str, task_seed: int) -> tuple:
+    """Meta-World's 50 fixed variations of one task (about 1 s to build; cached per process)."""
+    import metaworld
+
+    return tuple(metaworld.MT1(name, seed=task_seed).train_tasks)
+
+
+class MetaWorldEnv(gym.Env):
+    metadata = {"render_modes": ["rgb_array"], "render_fps": 80}
+
+    def __init__(self, task: str = "reach-v3", image_size: int = 128,
+                 cameras: tuple[str, ...] = DEFAULT_CAMERAS, max_steps: int = 200, render: bool = True,
+                 task_seed: int = 0):
+        from metaworld.env_dict import ALL_V3_ENVIRONMENTS
+
+        self.task_name = parse_task(task)
+        if not cameras:
+            raise ValueError("metaworld: at least one camera is needed")
+        unknown = [c for c in cameras if CAMERA_ALIASES.get(c, c) not in CAMERAS]
+        if unknown:
+            raise ValueError(f"metaworld cameras are {list(CAMERAS)} (aliases {CAMERA_ALIASES}); "
+                             f"unknown: {unknown}")
+        if image_size < 1 or max_steps < 1:
+            raise ValueError(f"metaworld: image_size and max_steps must be >= 1, got {image_size}, {max_steps}")
+        self.image_size, self.cameras, self.max_steps = int(image_size), tuple(cameras), int(max_steps)
+        self.do_render, self.task_seed = bool(render), int(task_seed)
+        self.instruction = INSTRUCTIONS[self.task_name]
+        self._variations = _variations(self.task_name, self.task_seed)
+        # render_mode None: gymnasium's own renderer stays unused; we render every camera ourselves.
+        self._env = ALL_V3_ENVIRONMENTS[self.task_name](width=self.image_size, height=self.image_size)
+        self._env.max_path_length = 2**31  # we truncate at max_steps; Meta-World would raise past its own horizon
+        model = self._env.model
+        model.vis.quality.shadowsize = 0
+        model.vis.quality.offsamples = 0
+        self._cam_ids = {c: mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, CAMERA_ALIASES.get(c, c))
+                         for c in self.cameras}
+        self._flip: dict[str, bool] = {}
+        self._renderer = None
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (ACTION_SPACE.dim,), np.float32)
+        img = gym.spaces.Box(0, 255, (3, self.image_size, self.image_size), np.uint8)
+        self.observation_space = gym.spaces.Dict({
+            "images": gym.spaces.Dict({c: img for c in self.cameras}),
+            "state": gym.spaces.Box(-STATE_BOUND, STATE_BOUND, (STATE_DIM,), np.float32),
+            "instruction": gym.spaces.Text(max_length=256, charset=_CHARSET),
+        })
+        self.steps = 0
+        self.variation: int | None = None
+
+    # ---- rendering ------------------------------------------------------------------------------
+    def _render_images(self) -> dict[str, np.ndarray]:
+        s = self.image_size
+        if not self.do_render:
+            return {c: np.zeros((3, s, s), np.uint8) for c in self.cameras}
+        if self._renderer is None:
+            self._renderer = mujoco.Renderer(self._env.model, s, s)
+            self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
+            self._renderer.scene.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
+        data, out = self._env.data, {}
+        for cam in self.cameras:
+            cid = self._cam_ids[cam]
+            if cam not in self._flip:  # decided once: the image's up axis (camera y) points downwards
+                self._flip[cam] = bool(data.cam_xmat[cid].reshape(3, 3)[2, 1] < 0)
+            self._renderer.update_scene(data, camera=cid)
+            img = self._renderer.render()
+            if self._flip[cam]:
+                img = img[::-1, ::-1]
+            out[cam] = np.ascontiguousarray(img.transpose(2, 0, 1))
+        return out
+
+    def close_renderer(self) -> None:
+        if self._renderer is not None:
+            self._renderer.close()
+            self._renderer = None
+
+    # ---- gymnasium API --------------------------------------------------------------------------
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self.variation = int(self.np_random.integers(len(self._variations)))
+        self._env.set_task(self._variations[self.variation])
+        self._env.seed(int(self.np_random.integers(2**31)))  # Meta-World's own RNG, derived from ours
+        obs, _ = self._env.reset()
+        self.steps = 0
+        return self._obs(obs), {"is_success": False, "task": self.task_name, "variation": self.variation}
+
+    def step(self, action):
+        a = np.asarray(action, dtype=np.float64).reshape(-1)
+        if a.shape != (ACTION_SPACE.dim,) or not np.all(np.isfinite(a)):
+            raise ValueError(f"action: expected {ACTION_SPACE.dim} finite numbers, got {np.asarray(action).tolist()}")
+        if self.variation is None:
+            raise RuntimeError("metaworld: call reset() before step()")
+        obs, reward, _, _, info = self._env.step(np.clip(a, -1.0, 1.0).astype(np.float32))
+        self.steps += 1
+        success = bool(info.get("success", 0.0))
+        truncated = not success and self.steps >= self.max_steps
+        out = {"is_success": success}
+        out.update({k: float(v) for k, v in info.items() if k != "success" and np.isscalar(v)})
+        return self._obs(obs), float(reward), success, truncated, out
+
+    def render(self):
+        return self._render_images()[self.cameras[0]].transpose(1, 2, 0)
+
+    def close(self):
+        self.close_renderer()
+        self._env.close()
+
+    def _obs(self, obs: np.ndarray) -> dict:
+        state = np.clip(np.asarray(obs, dtype=np.float32).reshape(STATE_DIM), -STATE_BOUND, STATE_BOUND)
+        return {"images": self._render_images(), "state": state,
+                "instruction": self.instruction}
+
+
+def make_metaworld_env(spec: EnvSpec) -> MetaWorldEnv:
+    """The `make_env` entry for backend 'metaworld'; options: render (bool), task_seed (int, default 0)."""
+    unknown = set(spec.options) - OPTIONS
+    if unknown:
+        raise ValueError(f"env spec: unknown options {sorted(unknown)} for backend 'metaworld'; "
+                         f"known: {sorted(OPTIONS)}")
+    return MetaWorldEnv(spec.task, spec.image_size, spec.cameras, spec.max_steps,
+                        render=spec.options.get("render", True), task_seed=spec.options.get("task_seed", 0))
+
+
+_CHARSET = "".join(chr(c) for c in range(32, 127))
