@@ -163,3 +163,15 @@ def test_record_writes_a_gif_a_person_can_open(tmp_path):
     frames = iio.imread(out)
     # GIF writers merge the identical held frames at the end
     assert ok and n - 5 <= frames.shape[0] <= n and frames.shape[1:3] == (32, 64)  # agentview | wrist
+
+
+def test_env_exception_is_reported_and_workers_stay_in_step(vec):
+    vec.reset(seed=0)
+    bad = np.zeros((4, 4), np.float32)
+    bad[3, 0] = np.nan  # the simulator in worker 1 rejects it
+    with pytest.raises(EnvError, match="action") as err:
+        vec.step(bad)
+    assert set(err.value.partial) == {0}
+    vec.reset(seed=0)
+    obs, *_ = vec.step(np.zeros((4, 4)))  # replies are not mixed up with the failed call's
+    assert obs["state"].shape == (4, 8) and vec.restarts == 0

@@ -145,7 +145,7 @@ class VectorEnv:
                 self._workers[w].conn.send((cmd, payload))
             except (BrokenPipeError, OSError):
                 pass  # found dead below
-        replies, failures = {}, []
+        replies, failures, errors = {}, [], []  # every reply is read before raising: pipes stay in step
         for w in payloads:
             worker = self._workers[w]
             try:
@@ -158,7 +158,8 @@ class VectorEnv:
                 failures.append((w, EnvWorkerCrashed, f"died during {cmd!r} (exit code {worker.proc.exitcode})"))
                 continue
             if status != "ok":
-                raise EnvError(f"env worker {w} ({self.spec.backend}/{self.spec.task}) failed {cmd!r}:\n{value}")
+                errors.append(f"env worker {w} ({self.spec.backend}/{self.spec.task}) failed {cmd!r}:\n{value}")
+                continue
             replies[w] = value
         if failures:
             for w, _, _ in failures:
@@ -169,6 +170,10 @@ class VectorEnv:
             err = kind(f"env worker {w} ({self.spec.backend}/{self.spec.task}, envs {envs}) {why}; replaced — "
                        f"reset those envs before stepping them")
             err.failed_envs, err.partial = envs, replies
+            raise err
+        if errors:
+            err = EnvError("\n".join(errors))
+            err.partial = replies
             raise err
         return replies
 
