@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup-system.sh
 	bash scripts/setup-system.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(FIND_LINKS) $(TORCH_PIN)
-	$(PY) -m pip install -q $(FIND_LINKS) -e '.[dev]'
+	$(PY) -m pip install -q $(FIND_LINKS) -e '.[dev,metaworld]'
 	touch $@
 
 demo: setup

@@ -9,7 +9,9 @@ from vlamux.envs.base import ActionSpace, EnvError, EnvSpec, EnvTimeoutError, En
 # backend -> "module:factory"; imported on first use so a missing optional extra only matters to its users.
 BACKENDS = {
     "tabletop": "vlamux.envs.tabletop.env:make_tabletop_env",
+    "metaworld": "vlamux.envs.metaworld:make_metaworld_env",
     "maniskill": "vlamux.envs.maniskill:make_maniskill_env",
+    "gym": "vlamux.envs.gym_adapter:make_gym_env",
 }
 
 

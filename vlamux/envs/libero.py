@@ -50,7 +50,8 @@ ACTION_SPACE = ActionSpace(7, (-1.0,) * 7, (1.0,) * 7, "delta_ee_pose+gripper",
 STATE_NAMES = ("eef_x", "eef_y", "eef_z", "eef_axisangle_x", "eef_axisangle_y", "eef_axisangle_z",
                "gripper_qpos_left", "gripper_qpos_right")
 OPTIONS = {"render", "settle_steps"}  # EnvSpec.options this backend understands
-INSTALL_HINT = "install it with: pip install 'vlamux[libero]'  (or: make libero)"
+INSTALL_HINT = ("install it with: make libero  (or: pip install 'vlamux[libero]' && "
+                "pip install --no-deps hf-libero==0.1.4; see scripts/install-libero.sh)")
 # Sub-folders of LIBERO's assets directory its scenes load from.
 ASSET_DIRS = ("scenes", "textures", "articulated_objects", "stable_scanned_objects", "turbosquid_objects",
               "stable_hope_objects")
@@ -285,6 +286,9 @@ class LiberoEnv(gym.Env):
         self._set_cameras_enabled(False)  # the reset's own observation is replaced below
         try:
             self._env.reset()
+            for robot in self._env.robots:  # robosuite keeps the gripper's command ramp across soft resets
+                if robot.gripper is not None and hasattr(robot.gripper, "current_action"):
+                    robot.gripper.current_action = np.zeros(robot.gripper.dof)
             self._env.set_init_state(self.init_states[k])
             for _ in range(self.settle_steps):
                 self._env.step(_NOOP)
