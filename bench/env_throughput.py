@@ -21,17 +21,29 @@ from common import print_table, write_json  # noqa: E402
 from vlamux.envs import EnvSpec  # noqa: E402
 from vlamux.envs.workers import VectorEnv  # noqa: E402
 
-BACKENDS = {"tabletop": EnvSpec(task="goal/push-red-cube-green-zone", image_size=128)}
+BACKENDS = {
+    "tabletop": EnvSpec(task="goal/push-red-cube-green-zone", image_size=128),
+    "metaworld": EnvSpec(backend="metaworld", task="pick-place-v3", image_size=128),
+    "libero": EnvSpec(backend="libero", task="libero_spatial/0", image_size=128),
+}
+EXTRAS = {"metaworld": "metaworld", "libero": "libero"}  # backend -> module its extra installs
+
+
+def installed(backend: str) -> bool:
+    import importlib.util
+
+    return backend not in EXTRAS or importlib.util.find_spec(EXTRAS[backend]) is not None
 
 
 def measure(spec: EnvSpec, workers: int, envs_per_worker: int, seconds: float) -> float:
     n = workers * envs_per_worker
     with VectorEnv(spec, n_envs=n, n_workers=workers) as vec:
-        vec.reset(seed=0)
+        obs, _ = vec.reset(seed=0)
+        dim = vec.action_dim
         rng = np.random.default_rng(0)
         steps, t0, episode = 0, time.perf_counter(), 1
         while time.perf_counter() - t0 < seconds:
-            _, _, term, trunc, _ = vec.step(rng.uniform(-1, 1, (n, 4)).astype(np.float32))
+            _, _, term, trunc, _ = vec.step(rng.uniform(-1, 1, (n, dim)).astype(np.float32))
             steps += n
             done = np.flatnonzero(term | trunc)
             if len(done):
@@ -49,6 +61,9 @@ def main(argv=None) -> int:
     seconds = 2.0 if args.quick else args.seconds
     rows = []
     for backend, spec in BACKENDS.items():
+        if not installed(backend):
+            print(f"  {backend}: not installed, skipped")
+            continue
         for workers in (1, 2):
             sps = measure(spec, workers, args.envs_per_worker, seconds)
             rows.append({"backend": backend, "workers": workers, "steps_per_s": sps,

@@ -175,3 +175,8 @@ def test_env_exception_is_reported_and_workers_stay_in_step(vec):
     vec.reset(seed=0)
     obs, *_ = vec.step(np.zeros((4, 4)))  # replies are not mixed up with the failed call's
     assert obs["state"].shape == (4, 8) and vec.restarts == 0
+
+
+def test_vector_env_reports_why_creation_failed():
+    with pytest.raises(EnvError, match="unknown tabletop task"):
+        VectorEnv(EnvSpec(task="goal/fly-away"), n_envs=2, n_workers=1, timeout_s=10)

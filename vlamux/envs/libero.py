@@ -264,6 +264,12 @@ class LiberoEnv(gym.Env):
         ctx.scn.flags[mujoco.mjtRndFlag.mjRND_SHADOW] = 0
         self._fast_render_ctx = ctx
 
+    def _make_current(self) -> None:
+        """robosuite renders into whichever GL context is current; with several envs in one process
+        (a VectorEnv worker holds n) each must make its own current first."""
+        if self.do_render:
+            self._env.sim._render_context_offscreen.gl_ctx.make_current()
+
     def _set_cameras_enabled(self, on: bool) -> None:
         if self.do_render:
             for c in self.cameras:
@@ -294,6 +300,7 @@ class LiberoEnv(gym.Env):
                 self._env.step(_NOOP)
         finally:
             self._set_cameras_enabled(True)
+        self._make_current()
         raw = self._env.env._get_observations(force_update=True)
         self.steps = 0
         self.init_state_id = k
@@ -304,6 +311,7 @@ class LiberoEnv(gym.Env):
         a = np.asarray(action, dtype=np.float64).reshape(-1)
         if a.shape != (ACTION_SPACE.dim,) or not np.all(np.isfinite(a)):
             raise ValueError(f"action: expected {ACTION_SPACE.dim} finite numbers, got {np.asarray(action).tolist()}")
+        self._make_current()
         raw, _, _, _ = self._env.step(np.clip(a, -1.0, 1.0))
         self.steps += 1
         success = bool(self._env.check_success())

@@ -29,8 +29,13 @@ def _worker_main(conn, spec: EnvSpec, n_envs: int) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from vlamux.envs import make_env
 
-    envs = [make_env(spec) for _ in range(n_envs)]
-    conn.send(("ready", None))
+    try:
+        envs = [make_env(spec) for _ in range(n_envs)]
+    except Exception:  # noqa: BLE001 - the caller gets the reason, not just a dead worker
+        conn.send(("error", traceback.format_exc()))
+        return
+    space = envs[0].action_space
+    conn.send(("ready", {"low": space.low.reshape(-1), "high": space.high.reshape(-1)}))
     while True:
         try:
             cmd, payload = conn.recv()
@@ -113,10 +118,16 @@ class VectorEnv:
                 raise EnvTimeoutError(f"env worker {w} ({self.spec.backend}/{self.spec.task}) did not start within "
                                       f"{self.start_timeout_s:.0f}s")
             try:
-                status, _ = worker.conn.recv()
+                status, value = worker.conn.recv()
             except EOFError:
+                self.close()
                 raise EnvWorkerCrashed(f"env worker {w} died while creating {self.spec.backend}/{self.spec.task}; "
                                        f"exit code {worker.proc.exitcode}") from None
+            if status != "ready":
+                self.close()
+                last = value.strip().splitlines()[-1]
+                raise EnvError(f"env worker {w} could not create {self.spec.backend}/{self.spec.task}: {last}")
+            self.action_low, self.action_high = value["low"], value["high"]
 
     def _kill(self, w: int) -> None:
         worker = self._workers[w]
@@ -132,6 +143,10 @@ class VectorEnv:
         self.restarts += 1
         self._start(w)
         self._wait_ready([w])
+
+    @property
+    def action_dim(self) -> int:
+        return len(self.action_low)
 
     def worker_pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers]
@@ -197,9 +212,9 @@ class VectorEnv:
         actions = np.asarray(actions, dtype=np.float32)
         if actions.ndim == 2:
             actions = actions[:, None]
-        if actions.ndim != 3 or actions.shape[0] != self.n_envs:
-            raise ValueError(f"actions: expected [{self.n_envs}, A] or [{self.n_envs}, H, A], "
-                             f"got {list(actions.shape)}")
+        if actions.ndim != 3 or actions.shape[0] != self.n_envs or actions.shape[2] != self.action_dim:
+            raise ValueError(f"actions: expected [{self.n_envs}, {self.action_dim}] or "
+                             f"[{self.n_envs}, H, {self.action_dim}], got {list(actions.shape)}")
         if self.needs_reset.any():
             raise EnvError(f"envs {np.flatnonzero(self.needs_reset).tolist()} need reset before step")
         chunk = actions[:, : self.spec.n_action_steps]
