@@ -125,7 +125,7 @@ def test_killed_worker_is_detected_and_replaced(vec):
     with pytest.raises(EnvWorkerCrashed, match="died") as err:
         vec.step(np.zeros((4, 4)))
     assert time.monotonic() - t0 < vec.timeout_s
-    assert err.value.failed_envs == [0, 1] and set(err.value.partial) == {1}
+    assert err.value.failed_envs == [0, 1] and set(err.value.partial) == {2, 3}  # the healthy envs' steps
     assert vec.restarts == 1
     with pytest.raises(EnvError, match="need reset"):
         vec.step(np.zeros((4, 4)))
@@ -171,8 +171,9 @@ def test_env_exception_is_reported_and_workers_stay_in_step(vec):
     bad[3, 0] = np.nan  # the simulator in worker 1 rejects it
     with pytest.raises(EnvError, match="action") as err:
         vec.step(bad)
-    assert set(err.value.partial) == {0}
-    vec.reset(seed=0)
+    assert set(err.value.partial) == {0, 1} and err.value.failed_envs == [2, 3]
+    assert vec.needs_reset.tolist() == [False, False, True, True]  # env 2 may have stepped before env 3 failed
+    vec.reset(seed=0, indices=[2, 3])
     obs, *_ = vec.step(np.zeros((4, 4)))  # replies are not mixed up with the failed call's
     assert obs["state"].shape == (4, 8) and vec.restarts == 0
 
@@ -180,3 +181,42 @@ def test_env_exception_is_reported_and_workers_stay_in_step(vec):
 def test_vector_env_reports_why_creation_failed():
     with pytest.raises(EnvError, match="unknown tabletop task"):
         VectorEnv(EnvSpec(task="goal/fly-away"), n_envs=2, n_workers=1, timeout_s=10)
+
+
+def test_interrupted_call_never_leaves_a_stale_reply(vec):
+    vec.reset(seed=0)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        with pytest.raises(KeyboardInterrupt):
+            vec.debug_sleep(0, 2.0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    obs, infos = vec.reset(seed=0)  # reads its own replies, not the sleep's
+    assert obs["state"].shape == (4, 8) and len(infos) == 4
+
+
+def test_failed_restart_is_retried_on_the_next_call():
+    v = VectorEnv(EnvSpec(task="goal/lift-red-cube", image_size=16), n_envs=2, n_workers=2, timeout_s=10,
+                  start_timeout_s=60)
+    try:
+        v.reset(seed=0)
+        v.start_timeout_s = 0.001  # the replacement cannot come up in time
+        with pytest.raises(EnvTimeoutError, match="restart failed"):
+            v.debug_sleep(0, 30, timeout_s=0.5)
+        assert v.worker_pids()[0] is None and v.worker_pids()[1] is not None
+        v.start_timeout_s = 60
+        obs, _ = v.reset(seed=0)  # worker 0 is started again here
+        assert obs["state"].shape == (2, 8) and v.worker_pids()[0] is not None
+    finally:
+        v.close()
+
+
+def test_reset_rejects_bad_indices(vec):
+    with pytest.raises(ValueError, match="indices"):
+        vec.reset(seed=0, indices=[7])

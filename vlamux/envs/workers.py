@@ -25,8 +25,6 @@ log = logging.getLogger(__name__)
 
 
 def _worker_main(conn, spec: EnvSpec, n_envs: int) -> None:
-    # Simulators render on the CPU; one thread each keeps workers from fighting over cores.
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     from vlamux.envs import make_env
 
     try:
@@ -96,9 +94,14 @@ class VectorEnv:
         self._assign = [list(range(bounds[w], bounds[w + 1])) for w in range(self.n_workers)]
         self.needs_reset = np.ones(n_envs, dtype=bool)
         self.restarts = 0
-        for w in range(self.n_workers):
-            self._start(w)
-        self._wait_ready(range(self.n_workers))
+        try:
+            for w in range(self.n_workers):
+                self._start(w)
+            for w in range(self.n_workers):
+                self._wait_ready(w)
+        except BaseException:
+            self.close()
+            raise
 
     # ---- workers --------------------------------------------------------------------------------
     def _start(self, w: int) -> None:
@@ -110,24 +113,24 @@ class VectorEnv:
         self._workers[w] = _Worker(proc, parent, self._assign[w])
         self.needs_reset[self._assign[w]] = True
 
-    def _wait_ready(self, ws) -> None:
-        for w in ws:
-            worker = self._workers[w]
+    def _wait_ready(self, w: int) -> None:
+        """Wait for worker w's envs to exist; on failure the worker is killed and the reason raised."""
+        worker, what = self._workers[w], f"{self.spec.backend}/{self.spec.task}"
+        try:
             if not worker.conn.poll(self.start_timeout_s):
-                self._kill(w)
-                raise EnvTimeoutError(f"env worker {w} ({self.spec.backend}/{self.spec.task}) did not start within "
-                                      f"{self.start_timeout_s:.0f}s")
-            try:
-                status, value = worker.conn.recv()
-            except EOFError:
-                self.close()
-                raise EnvWorkerCrashed(f"env worker {w} died while creating {self.spec.backend}/{self.spec.task}; "
-                                       f"exit code {worker.proc.exitcode}") from None
-            if status != "ready":
-                self.close()
-                last = value.strip().splitlines()[-1]
-                raise EnvError(f"env worker {w} could not create {self.spec.backend}/{self.spec.task}: {last}")
-            self.action_low, self.action_high = value["low"], value["high"]
+                raise EnvTimeoutError(f"env worker {w} ({what}) did not start within {self.start_timeout_s:.0f}s")
+            status, value = worker.conn.recv()
+        except (EOFError, OSError):
+            self._kill(w)
+            raise EnvWorkerCrashed(f"env worker {w} died while creating {what}; "
+                                   f"exit code {worker.proc.exitcode}") from None
+        except BaseException:
+            self._kill(w)
+            raise
+        if status != "ready":
+            self._kill(w)
+            raise EnvError(f"env worker {w} could not create {what}: {value.strip().splitlines()[-1]}")
+        self.action_low, self.action_high = value["low"], value["high"]
 
     def _kill(self, w: int) -> None:
         worker = self._workers[w]
@@ -138,73 +141,103 @@ class VectorEnv:
         worker.conn.close()
         self._workers[w] = None
 
-    def _replace(self, w: int) -> None:
+    def _replace(self, w: int) -> str:
+        """Kill and restart worker w; returns '' or why the restart failed (it is retried on the next call)."""
         self._kill(w)
         self.restarts += 1
-        self._start(w)
-        self._wait_ready([w])
+        self.needs_reset[self._assign[w]] = True
+        log.warning("replacing env worker %d", w)
+        try:
+            self._start(w)
+            self._wait_ready(w)
+            return ""
+        except EnvError as e:
+            return f"; its restart failed too ({e})"
+
+    def _live(self, w: int) -> _Worker:
+        if self._workers[w] is None:  # an earlier restart failed: try again now
+            self._start(w)
+            self._wait_ready(w)
+        return self._workers[w]
 
     @property
     def action_dim(self) -> int:
         return len(self.action_low)
 
-    def worker_pids(self) -> list[int]:
-        return [w.proc.pid for w in self._workers]
+    def worker_pids(self) -> list[int | None]:
+        return [None if w is None else w.proc.pid for w in self._workers]
 
     # ---- calls ----------------------------------------------------------------------------------
-    def _call(self, cmd: str, payloads: dict[int, object], timeout_s: float | None = None) -> dict[int, object]:
-        """Send one command to each worker in `payloads`; gather replies by a shared deadline."""
-        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+    def _call(self, cmd: str, payloads: dict[int, object], timeout_s: float | None = None
+              ) -> tuple[dict[int, object], EnvError | None]:
+        """Send one command to each worker in `payloads`; gather replies by a shared deadline.
+
+        Returns the replies of the workers that answered and the error to raise (None if all did).
+        Every reply is read or its worker replaced before returning, even if the caller is
+        interrupted, so a later call never reads an earlier call's reply.
+        """
+        limit = timeout_s or self.timeout_s
+        deadline = time.monotonic() + limit
         for w, payload in payloads.items():
             try:
-                self._workers[w].conn.send((cmd, payload))
+                self._live(w).conn.send((cmd, payload))
             except (BrokenPipeError, OSError):
                 pass  # found dead below
-        replies, failures, errors = {}, [], []  # every reply is read before raising: pipes stay in step
-        for w in payloads:
-            worker = self._workers[w]
-            try:
-                if not worker.conn.poll(max(0.0, deadline - time.monotonic())):
-                    failures.append((w, EnvTimeoutError, f"did not answer {cmd!r} within "
-                                                        f"{timeout_s or self.timeout_s:.1f}s"))
-                    continue
-                status, value = worker.conn.recv()
-            except (EOFError, OSError):
-                failures.append((w, EnvWorkerCrashed, f"died during {cmd!r} (exit code {worker.proc.exitcode})"))
-                continue
-            if status != "ok":
-                errors.append(f"env worker {w} ({self.spec.backend}/{self.spec.task}) failed {cmd!r}:\n{value}")
-                continue
-            replies[w] = value
-        if failures:
-            for w, _, _ in failures:
-                log.warning("replacing env worker %d", w)
+        replies: dict[int, object] = {}
+        failures: list[tuple[int, type, str]] = []
+        pending = list(payloads)
+        try:
+            while pending:
+                w = pending[0]
+                worker = self._workers[w]
+                try:
+                    if not worker.conn.poll(max(0.0, deadline - time.monotonic())):
+                        failures.append((w, EnvTimeoutError, f"did not answer {cmd!r} within {limit:.1f}s"))
+                    else:
+                        status, value = worker.conn.recv()
+                        if status == "ok":
+                            replies[w] = value
+                        else:
+                            failures.append((w, EnvError, f"failed {cmd!r}:\n{value}"))
+                except (EOFError, OSError):
+                    failures.append((w, EnvWorkerCrashed, f"died during {cmd!r} (exit code {worker.proc.exitcode})"))
+                pending.pop(0)
+        except BaseException:
+            for w in pending:  # owed a reply we will never read
                 self._replace(w)
-            w, kind, why = failures[0]
-            envs = sorted(i for f in failures for i in self._assign[f[0]])
-            err = kind(f"env worker {w} ({self.spec.backend}/{self.spec.task}, envs {envs}) {why}; replaced — "
-                       f"reset those envs before stepping them")
-            err.failed_envs, err.partial = envs, replies
-            raise err
-        if errors:
-            err = EnvError("\n".join(errors))
-            err.partial = replies
-            raise err
-        return replies
+            raise
+        if not failures:
+            return replies, None
+        notes = []
+        for w, kind, why in failures:
+            if kind is not EnvError:  # hung or dead: replace; a simulator exception leaves the worker usable
+                why += self._replace(w) or "; replaced"
+            self.needs_reset[self._assign[w]] = True
+            notes.append(f"env worker {w} ({self.spec.backend}/{self.spec.task}, envs {self._assign[w]}) {why}")
+        kind = failures[0][1]
+        err = kind("\n".join(notes) + "\nreset those envs before stepping them")
+        err.failed_envs = sorted(i for w, _, _ in failures for i in self._assign[w])
+        return replies, err
 
     def reset(self, seed: int | None = None, indices: list[int] | None = None):
         """Reset sub-envs (all by default); sub-env i gets seed + i. Returns (obs, infos) for `indices`."""
-        indices = list(range(self.n_envs)) if indices is None else list(indices)
+        indices = list(range(self.n_envs)) if indices is None else [int(i) for i in indices]
+        bad = [i for i in indices if not 0 <= i < self.n_envs]
+        if bad:
+            raise ValueError(f"indices: {bad} out of range for {self.n_envs} envs")
         seeds = {i: None if seed is None else seed + i for i in indices}
-        by_worker = {w: self._assign[w] for w in range(self.n_workers) if any(i in seeds for i in self._assign[w])}
-        payloads = {w: [seeds.get(i, "keep") for i in envs] for w, envs in by_worker.items()}
-        replies = self._call("reset_some", payloads)
+        payloads = {w: [seeds.get(i, "keep") for i in envs] for w, envs in enumerate(self._assign)
+                    if any(i in seeds for i in envs)}
+        replies, err = self._call("reset_some", payloads)
         out = {}
         for w, results in replies.items():
-            for i, r in zip(by_worker[w], results):
+            for i, r in zip(self._assign[w], results):
                 if r is not None:
                     out[i] = r
-        self.needs_reset[indices] = False
+                    self.needs_reset[i] = False
+        if err is not None:
+            err.partial = out  # env index -> (obs, info) of the envs that did reset
+            raise err
         return stack_obs([out[i][0] for i in indices]), [out[i][1] for i in indices]
 
     def step(self, actions: np.ndarray):
@@ -218,17 +251,24 @@ class VectorEnv:
         if self.needs_reset.any():
             raise EnvError(f"envs {np.flatnonzero(self.needs_reset).tolist()} need reset before step")
         chunk = actions[:, : self.spec.n_action_steps]
-        replies = self._call("step", {w: [chunk[i] for i in envs] for w, envs in enumerate(self._assign)})
-        results = [r for w in range(self.n_workers) for r in replies[w]]
-        obs = stack_obs([r[0] for r in results])
-        reward = np.array([r[1] for r in results], dtype=np.float32)
-        term = np.array([r[2] for r in results])
-        trunc = np.array([r[3] for r in results])
-        self.needs_reset |= term | trunc
-        return obs, reward, term, trunc, [r[4] for r in results]
+        replies, err = self._call("step", {w: [chunk[i] for i in envs] for w, envs in enumerate(self._assign)})
+        results = {i: r for w, rs in replies.items() for i, r in zip(self._assign[w], rs)}
+        for i, (_, _, term, trunc, _) in results.items():
+            self.needs_reset[i] |= term or trunc
+        if err is not None:
+            err.partial = results  # env index -> (obs, reward, terminated, truncated, info)
+            raise err
+        ordered = [results[i] for i in range(self.n_envs)]
+        obs = stack_obs([r[0] for r in ordered])
+        reward = np.array([r[1] for r in ordered], dtype=np.float32)
+        term = np.array([r[2] for r in ordered])
+        trunc = np.array([r[3] for r in ordered])
+        return obs, reward, term, trunc, [r[4] for r in ordered]
 
     def debug_sleep(self, worker: int, seconds: float, timeout_s: float | None = None) -> None:
-        self._call("debug_sleep", {worker: seconds}, timeout_s)
+        _, err = self._call("debug_sleep", {worker: seconds}, timeout_s)
+        if err is not None:
+            raise err
 
     def close(self) -> None:
         for w, worker in enumerate(self._workers):
@@ -243,6 +283,8 @@ class VectorEnv:
             worker.proc.join(timeout=5)
             if worker.proc.is_alive():
                 worker.proc.kill()
+                worker.proc.join(timeout=5)
+            worker.conn.close()
             self._workers[w] = None
 
     def __enter__(self):
