@@ -161,3 +161,20 @@ def test_padded_default_grouping_equals_packed(backbone):
         for x, y in ((p, a), (q, a)):
             assert (x.hidden - y.hidden).abs().max() <= TOL
             assert all((lx - ly).abs().max() <= TOL for lx, ly in zip(x.layers, y.layers))
+
+
+def test_bf16_backbone_serves_fp32_heads():
+    bb16 = build_backbone(BackboneSpec(preset="tiny", seed=0), dtype=torch.bfloat16)
+    runner = make_runner(bb16)
+    data = tenant_batches(batch=2)
+    res = runner.execute([ForwardBackward(t, obs, act) for t, (obs, act) in data.items()])
+    assert all(r.ok for r in res), [r.error for r in res]
+    out = runner.execute([Sample(t, obs, True) for t, (obs, _) in data.items()])
+    assert all(r.ok and r.output["actions"].dtype == torch.float32 for r in out)
+
+
+def test_head_reading_more_layers_than_the_backbone_has_is_refused(backbone):
+    runner = ModelRunner(backbone)
+    spec = HeadSpec("l1_chunk", 4, 8, 4, depth=8, feature_layers=8)
+    with pytest.raises(ValueError, match="feature_layers=8"):
+        runner.create_slot("deep", spec)

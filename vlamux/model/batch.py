@@ -147,10 +147,10 @@ def canonicalize(obs: Observation, schema: InputSchema, tokenizer: ByteTokenizer
     size = schema.image_size
     views, masks = [], []
     for name, img in obs.images.items():
-        x = img.to(device=device, non_blocking=True).to(dtype)
+        x = img.to(device=device, non_blocking=True).to(torch.float32)  # resize in fp32: not every kernel has bf16
         if tuple(x.shape[2:]) != (size, size):
             x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-        views.append(x.mul_(2.0 / 255.0).sub_(1.0))
+        views.append(x.mul_(2.0 / 255.0).sub_(1.0).to(dtype))
         m = obs.camera_mask.get(name)
         masks.append(torch.ones(obs.batch_size, dtype=torch.bool, device=device) if m is None else m.to(device))
     tokens, token_mask = tokenizer(list(obs.instruction))

@@ -49,6 +49,12 @@ class VLAFeature:
     def seq_len(self) -> int:
         return self.hidden.shape[1]
 
+    def to(self, dtype: torch.dtype) -> VLAFeature:
+        """The same feature in `dtype` (a head may run in another precision than the backbone)."""
+        if self.hidden.dtype == dtype:
+            return self
+        return replace(self, hidden=self.hidden.to(dtype), layers=tuple(t.to(dtype) for t in self.layers))
+
     def select(self, rows: slice, index: Tensor | None = None, n_layers: int | None = None) -> VLAFeature:
         """Rows `rows`, token positions `index` (all if None), the last `n_layers` layers."""
 
@@ -56,6 +62,8 @@ class VLAFeature:
             t = t[rows]
             return t if index is None else t.index_select(1, index)
 
+        if n_layers is not None and n_layers > len(self.layers):
+            raise ValueError(f"asked for the last {n_layers} layers, the feature carries {len(self.layers)}")
         layers = self.layers if n_layers is None else (self.layers[len(self.layers) - n_layers:] if n_layers else ())
         return replace(
             self,

@@ -11,7 +11,7 @@ from vlamux.errors import InvalidInputError
 
 MODES = ("mean_std", "min_max", "identity")
 _FIELDS = ("mean", "std", "min", "max")
-_EPS = 1e-8
+_FLOOR = 1e-4  # a constant dimension (std or range ~0) is centred, not blown up by 1/eps
 
 
 @dataclass
@@ -30,6 +30,13 @@ class NormStats:
         dims = {getattr(self, f).shape for f in _FIELDS}
         if len(dims) != 1:
             raise InvalidInputError(f"stats: mean/std/min/max shapes differ: {sorted(map(list, dims))}")
+        for f in _FIELDS:
+            if not torch.isfinite(getattr(self, f)).all():
+                raise InvalidInputError(f"stats.{f}: contains NaN or infinite values")
+        if (self.std < 0).any():
+            raise InvalidInputError("stats.std: negative values")
+        if (self.min > self.max).any():
+            raise InvalidInputError("stats: min > max in some dimension")
 
     @staticmethod
     def identity(dim: int, mode: str = "identity") -> NormStats:
@@ -48,20 +55,21 @@ class NormStats:
         return self.mean.shape[-1]
 
     def to(self, device) -> NormStats:
-        return NormStats(*(getattr(self, f).to(device) for f in _FIELDS), mode=self.mode)
+        """A private copy on `device` (never shares storage with the caller's tensors)."""
+        return NormStats(*(getattr(self, f).to(device, torch.float32, copy=True) for f in _FIELDS), mode=self.mode)
 
     def normalize(self, x: Tensor) -> Tensor:
         if self.mode == "mean_std":
-            return (x - self.mean) / (self.std + _EPS)
+            return (x - self.mean) / self.std.clamp_min(_FLOOR)
         if self.mode == "min_max":
-            return (x - self.min) / (self.max - self.min + _EPS) * 2.0 - 1.0
+            return (x - self.min) / (self.max - self.min).clamp_min(_FLOOR) * 2.0 - 1.0
         return x
 
     def unnormalize(self, x: Tensor) -> Tensor:
         if self.mode == "mean_std":
-            return x * (self.std + _EPS) + self.mean
+            return x * self.std.clamp_min(_FLOOR) + self.mean
         if self.mode == "min_max":
-            return (x + 1.0) * 0.5 * (self.max - self.min + _EPS) + self.min
+            return (x + 1.0) * 0.5 * (self.max - self.min).clamp_min(_FLOOR) + self.min
         return x
 
     def tensors(self, prefix: str) -> dict[str, Tensor]:

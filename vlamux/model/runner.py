@@ -43,7 +43,10 @@ class ModelRunner:
     def add_slot(self, slot: Slot) -> Slot:
         if slot.tenant in self.slots:
             raise ValueError(f"tenant {slot.tenant!r} already has a slot")
-        self._backbone(slot.backbone_id)
+        depth = self._backbone(slot.backbone_id).meta.n_layers
+        if slot.head_spec.feature_layers > depth:
+            raise ValueError(f"head spec: feature_layers={slot.head_spec.feature_layers} but backbone "
+                             f"{slot.backbone_id!r} has {depth} layers")
         self.slots[slot.tenant] = slot
         return slot
 

@@ -22,6 +22,7 @@ from vlamux.model.feature import FeatureMeta, VLAFeature
 from vlamux.model.heads import ActionHead, HeadSpec, build_head
 from vlamux.model.normalize import NormStats
 from vlamux.utils.io import atomic_save_safetensors
+from vlamux.utils.seeding import seeded
 
 FORMAT = "vlamux.slot/1"
 
@@ -55,8 +56,7 @@ class Slot:
         self.backbone_id = feature_meta.backbone_id
         self.seed = seed
         self.device = torch.device(device)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
+        with seeded(seed):
             self.head: ActionHead = build_head(head_spec, feature_meta.hidden_dim).to(self.device)
         o = self.optim_spec
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
@@ -72,7 +72,9 @@ class Slot:
 
     # ---- statistics -------------------------------------------------------------------------
     def set_stats(self, action: NormStats | None = None, state: NormStats | None = None) -> None:
-        """Install dataset statistics; the action mode is the head's unless the stats are 'identity'."""
+        """Install dataset statistics; the action mode is the head's unless the stats are 'identity'.
+        Both are checked before either is installed."""
+        new = {}
         for name, stats, dim in (("action", action, self.head_spec.action_dim),
                                  ("state", state, self.head_spec.state_dim)):
             if stats is None:
@@ -81,7 +83,8 @@ class Slot:
                 raise InvalidInputError(f"stats[{name!r}]: {stats.dim} dims, the head has {dim}")
             if name == "action" and stats.mode != "identity":
                 stats = NormStats(stats.mean, stats.std, stats.min, stats.max, self.head.ACTION_NORM)
-            self.stats[name] = stats.to(self.device)
+            new[name] = stats.to(self.device)
+        self.stats.update(new)
 
     # ---- inputs -------------------------------------------------------------------------------
     def _state(self, state: Tensor | None, batch: int) -> Tensor | None:
@@ -103,19 +106,26 @@ class Slot:
             got = f"{action_mask.dtype} {list(action_mask.shape)}" if isinstance(action_mask, Tensor) \
                 else type(action_mask).__name__
             raise InvalidInputError(f"action_mask: expected a bool tensor [{batch}, {h}], got {got}")
+        if not action_mask.any():
+            raise InvalidInputError("action_mask: no valid step in the batch")
         actions = self.stats["action"].normalize(actions.to(self.device, torch.float32))
         return actions, action_mask.to(self.device)
 
-    def _check_feature(self, feature: VLAFeature) -> None:
+    def _check_feature(self, feature: VLAFeature) -> VLAFeature:
         if feature.meta.backbone_id != self.backbone_id:
             raise IncompatibleError(f"tenant {self.tenant!r} is bound to backbone {self.backbone_id!r}, "
                                     f"got features of {feature.meta.backbone_id!r}")
+        return feature.to(self.step_pos_dtype)
+
+    @property
+    def step_pos_dtype(self) -> torch.dtype:
+        return self.head.step_pos.dtype
 
     # ---- operations ---------------------------------------------------------------------------
     def forward_backward(self, feature: VLAFeature, state: Tensor | None, actions: Tensor,
                          action_mask: Tensor | None = None) -> dict[str, float]:
         """Add this batch's gradients to the slot; returns the loss and head metrics."""
-        self._check_feature(feature)
+        feature = self._check_feature(feature)
         b = feature.batch_size
         state_n = self._state(state, b)
         actions_n, mask = self._actions(actions, action_mask, b)
@@ -154,7 +164,7 @@ class Slot:
     @torch.no_grad()
     def sample(self, feature: VLAFeature, state: Tensor | None, deterministic: bool = False) -> dict:
         """An action chunk in the tenant's own units, stamped with the policy version."""
-        self._check_feature(feature)
+        feature = self._check_feature(feature)
         out = self.head.sample(feature, self._state(state, feature.batch_size), self.generator, deterministic)
         out["actions"] = self.stats["action"].unnormalize(out["actions"])
         out["policy_version"] = self.version
@@ -170,13 +180,14 @@ class Slot:
                 tensors[f"optim.{idx}.{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
         for name, stats in self.stats.items():
             tensors.update(stats.tensors(f"stats.{name}"))
-        tensors["rng"] = self.generator.get_state().cpu()
+        tensors["rng"] = self.generator.get_state().cpu()  # layout depends on the generator's device type
         tensors["version"] = torch.tensor([self.version], dtype=torch.int64)
         meta = {
             "format": FORMAT, "tenant": self.tenant, "backbone_id": self.backbone_id, "seed": str(self.seed),
             "head_spec": self.head_spec.to_json(), "optim_spec": json.dumps(asdict(self.optim_spec)),
             "param_groups": json.dumps(opt["param_groups"]),
             "stats_modes": json.dumps({k: v.mode for k, v in self.stats.items()}),
+            "rng_device": self.device.type,
         }
         return tensors, meta
 
@@ -187,7 +198,11 @@ class Slot:
         atomic_save_safetensors(tensors, path, meta)
 
     def load_state(self, path: str | Path) -> None:
-        """Restore this tenant's state from a file it saved; refuses another tenant's or head's file."""
+        """Restore this tenant's state from a file it saved; refuses another tenant's or head's file.
+
+        Everything is checked before anything changes, and a failure half-way restores the slot:
+        a refused or broken load leaves the slot as it was.
+        """
         tensors, meta = read_slot_file(path)
         if meta["tenant"] != self.tenant:
             raise IncompatibleError(f"{path}: belongs to tenant {meta['tenant']!r}, not {self.tenant!r}")
@@ -196,6 +211,22 @@ class Slot:
         if meta["backbone_id"] != self.backbone_id:
             raise IncompatibleError(f"{path}: trained on backbone {meta['backbone_id']!r}, slot uses "
                                     f"{self.backbone_id!r}")
+        if meta.get("rng_device", "cpu") != self.device.type:
+            raise IncompatibleError(f"{path}: saved from a {meta.get('rng_device', 'cpu')} slot, this slot is on "
+                                    f"{self.device.type}: its RNG state cannot resume here bit-identically")
+        head = {k[5:]: v for k, v in tensors.items() if k.startswith("head.")}
+        expected = self.head.state_dict()
+        if head.keys() != expected.keys() or any(head[k].shape != expected[k].shape for k in head):
+            raise IncompatibleError(f"{path}: head tensors do not match the slot's head")
+        live, live_meta = self.state_tensors()
+        backup = ({k: v.clone() for k, v in live.items()}, live_meta)  # on CPU .cpu() aliases the parameters
+        try:
+            self._restore(tensors, meta)
+        except Exception as e:
+            self._restore(*backup)
+            raise IncompatibleError(f"{path}: could not be restored ({e}); the slot is unchanged") from e
+
+    def _restore(self, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
         self.head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
         state: dict[int, dict] = {}
         for k, v in tensors.items():
@@ -203,6 +234,7 @@ class Slot:
                 _, idx, name = k.split(".", 2)
                 state.setdefault(int(idx), {})[name] = v
         self.optimizer.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
+        self.optim_spec = OptimizerSpec(**json.loads(meta["optim_spec"]))
         modes = json.loads(meta["stats_modes"])
         self.stats = {k: NormStats.from_tensors(tensors, f"stats.{k}", m).to(self.device) for k, m in modes.items()}
         self.generator.set_state(tensors["rng"])

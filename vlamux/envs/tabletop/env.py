@@ -96,7 +96,9 @@ class TabletopEnv(gym.Env):
         self._load(objects)
         m, d = self.model, self.data
         mujoco.mj_resetData(m, d)
-        xy = _place(rng, len(objects) + (1 if t.zone else 0), min_dist=0.1)
+        # Spatial tasks name objects by left/right: keep them apart along x so the words are unambiguous.
+        xy = _place(rng, len(objects) + (1 if t.zone else 0), min_dist=0.1, min_dx=0.06 if t.order_by_x else 0.0,
+                    n_dx=len(objects))
         if t.zone:
             zone_xy, xy = xy[-1], xy[:-1]
             m.geom_pos[mujoco.mj_name2id(m, mujoco.mjtObj.mjOBJ_GEOM, "zone")][:2] = zone_xy
@@ -174,12 +176,14 @@ class TabletopEnv(gym.Env):
         return {"images": self._render_images(), "state": state, "instruction": self.task.instruction}
 
 
-def _place(rng: np.random.Generator, n: int, min_dist: float) -> np.ndarray:
-    """n points on the table, pairwise at least min_dist apart (rejection sampling, seeded)."""
-    for _ in range(1000):
+def _place(rng: np.random.Generator, n: int, min_dist: float, min_dx: float = 0.0, n_dx: int = 0) -> np.ndarray:
+    """n points on the table, pairwise at least min_dist apart, the first n_dx also min_dx apart in x
+    (rejection sampling, seeded)."""
+    for _ in range(10_000):
         xy = np.stack([rng.uniform(-0.18, 0.18, n), rng.uniform(-0.14, 0.16, n)], axis=1)
         dists = np.linalg.norm(xy[:, None] - xy[None], axis=-1) + np.eye(n)
-        if dists.min() >= min_dist:
+        dx = np.abs(xy[:n_dx, None, 0] - xy[None, :n_dx, 0]) + np.eye(n_dx)
+        if dists.min() >= min_dist and (n_dx < 2 or dx.min() >= min_dx):
             return xy
     raise RuntimeError("could not place objects")
 

@@ -21,13 +21,13 @@ def build_xml(objects: list[tuple[str, str]], zone: str | None, image_size: int)
         r, g, b = COLORS[color]
         kind = "sphere" if shape == "ball" else "box"
         size = " ".join(str(s) for s in OBJECT_SIZE[shape])
-        # A ball rolls on as a rubber ball on cloth would: rolling friction keeps pushes controllable.
-        friction = "1.5 0.02 0.02" if shape == "ball" else "1.5 0.02 0.002"
+        # A ball rolls as a rubber ball on cloth would: rolling friction needs condim 6.
+        friction, condim = ("1.5 0.02 0.02", 6) if shape == "ball" else ("1.5 0.02 0.002", 4)
         geoms.append(f"""
     <body name="obj{i}" pos="0 0 0.1">
       <freejoint name="obj{i}"/>
-      <geom name="obj{i}" type="{kind}" size="{size}" rgba="{r} {g} {b} 1" mass="0.05" condim="4"
-            friction="1.5 0.02 0.002"/>
+      <geom name="obj{i}" type="{kind}" size="{size}" rgba="{r} {g} {b} 1" mass="0.05" condim="{condim}"
+            friction="{friction}"/>
     </body>""")
     zone_xml = ""
     if zone:

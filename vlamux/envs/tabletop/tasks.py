@@ -52,7 +52,8 @@ def _goal() -> list[Task]:
         Task("goal/touch-red-cube", "touch the red cube", "touch", objs, 0, zone="green"),
         Task("goal/lift-red-cube", "pick up the red cube", "lift", objs, 0, zone="green"),
         Task("goal/push-red-cube-green-zone", "push the red cube into the green zone", "push", objs, 0, zone="green"),
-        # A ball push is left out: the scripted pusher lands only ~60% of them, below the 95% bar.
+        # A ball push is left out: the scripted pusher (closed fingers, a 2 cm pad) lands only about half of
+        # them, far below the 95% an expert must reach.
         Task("goal/touch-blue-ball", "touch the blue ball", "touch", objs, 1, zone="green"),
     ]
 

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, safe_open
 from vlamux.model.backbones.base import Backbone
 from vlamux.model.backbones.builtin import PRESETS, BuiltinBackbone, BuiltinConfig, builtin_config_dict
 from vlamux.utils.io import atomic_save_safetensors
+from vlamux.utils.seeding import seeded
 
 __all__ = ["Backbone", "BackboneSpec", "BuiltinBackbone", "BuiltinConfig", "PRESETS", "build_backbone",
            "save_backbone", "load_backbone"]
@@ -49,9 +50,7 @@ def _build_builtin(spec: BackboneSpec) -> Backbone:
         return load_backbone(spec.weights)
     if spec.preset not in PRESETS:
         raise ValueError(f"unknown builtin preset {spec.preset!r}; choose one of {sorted(PRESETS)}")
-    # Seeded on a forked RNG so building a backbone never disturbs the caller's random stream.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
+    with seeded(spec.seed):  # never disturbs the caller's random streams
         return BuiltinBackbone(PRESETS[spec.preset], spec.backbone_id)
 
 
