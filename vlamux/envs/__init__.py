@@ -10,6 +10,7 @@ from vlamux.envs.base import ActionSpace, EnvError, EnvSpec, EnvTimeoutError, En
 BACKENDS = {
     "tabletop": "vlamux.envs.tabletop.env:make_tabletop_env",
     "metaworld": "vlamux.envs.metaworld:make_metaworld_env",
+    "libero": "vlamux.envs.libero:make_libero_env",
     "maniskill": "vlamux.envs.maniskill:make_maniskill_env",
     "gym": "vlamux.envs.gym_adapter:make_gym_env",
 }
