@@ -6,7 +6,8 @@ times in one run, interleaved:
   inference  serial: N x (canonicalise + backbone + head sample)
              grouped: canonicalise N + one backbone forward + N head samples
   train      the same with forward_backward, plus every tenant's optimizer step
-  limit      raw backbone on the concatenated batch vs N raw backbone calls
+  limit      raw backbone on the concatenated batch (one pass, the backbone's own group path)
+             vs N raw backbone calls
 and writes bench/results/group_batching.json (a list of cells).
 
     python bench/group_batching.py            # full grid, N, b in {1, 2, 4, 8}
@@ -25,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, interleaved_medians, print_table, write_json  # noqa: E402
 
-from vlamux.model import (BackboneSpec, CanonicalBatch, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec,
+from vlamux.model import (BackboneSpec, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec,
                           Sample, build_backbone, canonicalize)
 from vlamux.synthetic import TaskProfile, make_batch
 
@@ -36,7 +37,7 @@ FULL_GRID = list(itertools.product([1, 2, 4, 8], [1, 2, 4, 8]))
 QUICK_GRID = [(1, 1), (2, 1), (8, 1), (4, 2)]
 
 
-def build_cell(backbone, n_tenants: int, local_batch: int, device: str):
+def build_cell(backbone, n_tenants: int, local_batch: int):
     runner = ModelRunner(backbone)
     data = []
     g = torch.Generator().manual_seed(n_tenants * 100 + local_batch)
@@ -51,7 +52,7 @@ def build_cell(backbone, n_tenants: int, local_batch: int, device: str):
 
 
 def measure_cell(backbone, n: int, b: int, mode: str, repeats: int, min_seconds: float, device: str) -> dict:
-    runner, data = build_cell(backbone, n, b, device)
+    runner, data = build_cell(backbone, n, b)
     if mode == "inference":  # stochastic sampling: flow runs its K Euler steps, bins/gaussian draw
         reqs = [Sample(t, obs) for t, obs, _ in data]
     else:
@@ -69,7 +70,6 @@ def measure_cell(backbone, n: int, b: int, mode: str, repeats: int, min_seconds:
         return go
 
     canon = [canonicalize(obs, backbone.schema, backbone.tokenizer, backbone.device) for _, obs, _ in data]
-    concat = CanonicalBatch.concat(canon)
 
     @torch.no_grad()
     def raw_separate():
@@ -77,8 +77,8 @@ def measure_cell(backbone, n: int, b: int, mode: str, repeats: int, min_seconds:
             backbone(c)
 
     @torch.no_grad()
-    def raw_concat():
-        backbone(concat)
+    def raw_concat():  # the same rows in one backbone pass, as the backbone runs a group (packed tokens)
+        backbone.forward_group(canon)
 
     contenders = {"serial": run(False), "grouped": run(True), "raw_separate": raw_separate, "raw_concat": raw_concat}
     for fn in contenders.values():  # warm-up: allocator, kernels, lazy init

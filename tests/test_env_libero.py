@@ -160,3 +160,16 @@ def test_missing_libero_is_a_clear_import_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "libero" else real(name, *a))
     with pytest.raises(ImportError, match=r"vlamux\[libero\]"):
         lib.setup_libero()
+
+
+def test_vectorised_contract():
+    from vlamux.envs import EnvSpec
+    from vlamux.envs.workers import VectorEnv
+
+    with VectorEnv(EnvSpec(backend="libero", task="libero_spatial/0", image_size=32, n_action_steps=2),
+                   n_envs=2, n_workers=1, timeout_s=60) as vec:
+        obs, infos = vec.reset(seed=0)
+        assert obs["images"]["agentview"].shape == (2, 3, 32, 32) and obs["state"].shape == (2, 8)
+        assert vec.action_dim == 7 and obs["instruction"][0] == obs["instruction"][1] != ""
+        obs, reward, term, trunc, infos = vec.step(np.zeros((2, 4, 7), np.float32))
+        assert reward.shape == (2,) and isinstance(infos[0]["is_success"], bool)

@@ -1,6 +1,5 @@
 """ManiSkill3: runs where SAPIEN finds a Vulkan device; elsewhere it must say why, clearly, up front."""
 
-import numpy as np
 import pytest
 
 pytest.importorskip("mani_skill")

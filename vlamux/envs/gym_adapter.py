@@ -30,7 +30,7 @@ from vlamux.envs.render import configure_gl
 
 configure_gl()  # before any gymnasium env module imports mujoco
 
-from vlamux.envs.base import ActionSpace, EnvSpec  # noqa: E402
+from vlamux.envs.base import INSTRUCTION_CHARSET, ActionSpace, EnvSpec, observation_space  # noqa: E402
 
 OPTIONS = {"key_map", "instruction", "success_key", "env_kwargs", "control"}  # EnvSpec.options understood
 SPECIAL_SOURCES = ("render", "obs")
@@ -97,7 +97,7 @@ class GymAdapterEnv(gym.Env):
         state = [state] if isinstance(state, str) else list(state)
         if not all(isinstance(s, str) for s in state):
             raise ValueError(f"key_map['state']: expected a source name or a list of them, got {state!r}")
-        if not isinstance(instruction, str) or len(instruction) > 256 or set(instruction) - set(_CHARSET):
+        if not isinstance(instruction, str) or len(instruction) > 256 or set(instruction) - set(INSTRUCTION_CHARSET):
             raise ValueError(f"instruction: expected printable ASCII text of at most 256 characters, "
                              f"got {instruction!r}")
         if image_size < 1 or (max_steps is not None and max_steps < 1):
@@ -169,12 +169,8 @@ class GymAdapterEnv(gym.Env):
                                        tuple(float(x) for x in self.action_space.low),
                                        tuple(float(x) for x in self.action_space.high), control)
 
-        img = gym.spaces.Box(0, 255, (3, self.image_size, self.image_size), np.uint8)
-        self.observation_space = gym.spaces.Dict({
-            "images": gym.spaces.Dict({c: img for c in self.cameras}),
-            "state": gym.spaces.Box(low, high, low.shape, np.float32),
-            "instruction": gym.spaces.Text(max_length=256, charset=_CHARSET),
-        })
+        self.observation_space = observation_space(self.cameras, self.image_size,
+                                                   gym.spaces.Box(low, high, low.shape, np.float32))
         self._fast_render_settings()
         self.steps = 0
 
@@ -249,11 +245,7 @@ class GymAdapterEnv(gym.Env):
         return self._obs(obs), {**info, "is_success": self._success(info)}
 
     def step(self, action):
-        a = np.asarray(action, dtype=np.float64).reshape(-1)
-        dim = self.action_spec.dim
-        if a.shape != (dim,) or not np.all(np.isfinite(a)):
-            raise ValueError(f"action: expected {dim} finite numbers, got {np.asarray(action).tolist()}")
-        a = self.action_spec.clip(a)
+        a = self.action_spec.check(action)
         if self._discrete is not None:
             inner = self._discrete.start + int(np.rint(a[0]))
         else:
@@ -302,5 +294,3 @@ def make_gym_env(spec: EnvSpec) -> GymAdapterEnv:
                          success_key=o.get("success_key", "is_success"), env_kwargs=o.get("env_kwargs"),
                          control=o.get("control", "env-native"))
 
-
-_CHARSET = "".join(chr(c) for c in range(32, 127))

@@ -42,7 +42,7 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 
-from vlamux.envs.base import ActionSpace, EnvSpec
+from vlamux.envs.base import ActionSpace, EnvSpec, observation_space
 from vlamux.envs.render import configure_gl
 
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
@@ -199,6 +199,7 @@ def resolve_task(task: str):
 
 # ---- the env --------------------------------------------------------------------------------------
 class LiberoEnv(gym.Env):
+    action_spec = ACTION_SPACE  # the declared action space (dims, bounds, control mode)
     metadata = {"render_modes": ["rgb_array"], "render_fps": 20}
 
     def __init__(self, task: str = "libero_spatial/0", image_size: int = 128,
@@ -233,12 +234,8 @@ class LiberoEnv(gym.Env):
         self._apply_fast_render()
 
         self.action_space = gym.spaces.Box(-1.0, 1.0, (ACTION_SPACE.dim,), np.float32)
-        img = gym.spaces.Box(0, 255, (3, self.image_size, self.image_size), np.uint8)
-        self.observation_space = gym.spaces.Dict({
-            "images": gym.spaces.Dict({c: img for c in self.cameras}),
-            "state": gym.spaces.Box(-10.0, 10.0, (len(STATE_NAMES),), np.float32),
-            "instruction": gym.spaces.Text(max_length=256, charset=_CHARSET),
-        })
+        self.observation_space = observation_space(
+            self.cameras, self.image_size, gym.spaces.Box(-10.0, 10.0, (len(STATE_NAMES),), np.float32))
         self.steps = 0
         self._images: dict[str, np.ndarray] | None = None
 
@@ -316,11 +313,9 @@ class LiberoEnv(gym.Env):
         return self._obs(raw), {"is_success": success, "task": self.task_id, "init_state_id": k}
 
     def step(self, action):
-        a = np.asarray(action, dtype=np.float64).reshape(-1)
-        if a.shape != (ACTION_SPACE.dim,) or not np.all(np.isfinite(a)):
-            raise ValueError(f"action: expected {ACTION_SPACE.dim} finite numbers, got {np.asarray(action).tolist()}")
+        a = ACTION_SPACE.check(action)
         self._make_current()
-        raw, _, _, _ = self._env.step(np.clip(a, -1.0, 1.0))
+        raw, _, _, _ = self._env.step(a)
         self.steps += 1
         success = bool(self._env.check_success())
         truncated = not success and self.steps >= self.max_steps
@@ -363,5 +358,3 @@ def make_libero_env(spec: EnvSpec) -> LiberoEnv:
     return LiberoEnv(spec.task, spec.image_size, spec.cameras, spec.max_steps,
                      render=spec.options.get("render", True), settle_steps=spec.options.get("settle_steps", 10))
 
-
-_CHARSET = "".join(chr(c) for c in range(32, 127))

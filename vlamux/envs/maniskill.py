@@ -75,7 +75,7 @@ class ManiSkillEnv(gym.Env):
                              render_backend=device, num_envs=1, max_episode_steps=max_steps,
                              sensor_configs={"width": image_size, "height": image_size})
         low, high = self._env.action_space.low.reshape(-1), self._env.action_space.high.reshape(-1)
-        self.spec_action = ActionSpace(len(low), tuple(low), tuple(high), "delta_ee_pos+gripper")
+        self.action_spec = ActionSpace(len(low), tuple(low), tuple(high), "delta_ee_pos+gripper")
         self.action_space = gym.spaces.Box(low.astype(np.float32), high.astype(np.float32), dtype=np.float32)
         img = gym.spaces.Box(0, 255, (3, image_size, image_size), np.uint8)
         obs, _ = self._env.reset(seed=0)

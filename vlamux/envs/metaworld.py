@@ -34,7 +34,7 @@ from vlamux.envs.render import configure_gl
 configure_gl()
 import mujoco  # noqa: E402  (after the GL backend is chosen)
 
-from vlamux.envs.base import ActionSpace, EnvSpec  # noqa: E402
+from vlamux.envs.base import ActionSpace, EnvSpec, observation_space  # noqa: E402
 
 ACTION_SPACE = ActionSpace(4, (-1.0,) * 4, (1.0,) * 4, "delta_ee_pos+gripper",
                            ("dx", "dy", "dz", "gripper(+1 close, -1 open)"))
@@ -137,6 +137,7 @@ def _variations(name: str, task_seed: int) -> tuple:
 
 
 class MetaWorldEnv(gym.Env):
+    action_spec = ACTION_SPACE  # the declared action space (dims, bounds, control mode)
     metadata = {"render_modes": ["rgb_array"], "render_fps": 80}
 
     def __init__(self, task: str = "reach-v3", image_size: int = 128,
@@ -168,12 +169,8 @@ class MetaWorldEnv(gym.Env):
         self._flip: dict[str, bool] = {}
         self._renderer = None
         self.action_space = gym.spaces.Box(-1.0, 1.0, (ACTION_SPACE.dim,), np.float32)
-        img = gym.spaces.Box(0, 255, (3, self.image_size, self.image_size), np.uint8)
-        self.observation_space = gym.spaces.Dict({
-            "images": gym.spaces.Dict({c: img for c in self.cameras}),
-            "state": gym.spaces.Box(-STATE_BOUND, STATE_BOUND, (STATE_DIM,), np.float32),
-            "instruction": gym.spaces.Text(max_length=256, charset=_CHARSET),
-        })
+        self.observation_space = observation_space(
+            self.cameras, self.image_size, gym.spaces.Box(-STATE_BOUND, STATE_BOUND, (STATE_DIM,), np.float32))
         self.steps = 0
         self.variation: int | None = None
 
@@ -214,12 +211,10 @@ class MetaWorldEnv(gym.Env):
         return self._obs(obs), {"is_success": False, "task": self.task_name, "variation": self.variation}
 
     def step(self, action):
-        a = np.asarray(action, dtype=np.float64).reshape(-1)
-        if a.shape != (ACTION_SPACE.dim,) or not np.all(np.isfinite(a)):
-            raise ValueError(f"action: expected {ACTION_SPACE.dim} finite numbers, got {np.asarray(action).tolist()}")
+        a = ACTION_SPACE.check(action)
         if self.variation is None:
             raise RuntimeError("metaworld: call reset() before step()")
-        obs, reward, _, _, info = self._env.step(np.clip(a, -1.0, 1.0).astype(np.float32))
+        obs, reward, _, _, info = self._env.step(a.astype(np.float32))
         self.steps += 1
         success = bool(info.get("success", 0.0))
         truncated = not success and self.steps >= self.max_steps
@@ -249,5 +244,3 @@ def make_metaworld_env(spec: EnvSpec) -> MetaWorldEnv:
     return MetaWorldEnv(spec.task, spec.image_size, spec.cameras, spec.max_steps,
                         render=spec.options.get("render", True), task_seed=spec.options.get("task_seed", 0))
 
-
-_CHARSET = "".join(chr(c) for c in range(32, 127))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vlamux.envs.base import EnvError, EnvSpec, EnvTimeoutError, EnvWorkerCrashed
+from vlamux.envs.base import ActionSpace, EnvError, EnvSpec, EnvTimeoutError, EnvWorkerCrashed
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,7 @@ def _worker_main(conn, spec: EnvSpec, n_envs: int) -> None:
     except Exception:  # noqa: BLE001 - the caller gets the reason, not just a dead worker
         conn.send(("error", traceback.format_exc()))
         return
-    space = envs[0].action_space
-    conn.send(("ready", {"low": space.low.reshape(-1), "high": space.high.reshape(-1)}))
+    conn.send(("ready", envs[0].action_spec))
     while True:
         try:
             cmd, payload = conn.recv()
@@ -130,7 +129,7 @@ class VectorEnv:
         if status != "ready":
             self._kill(w)
             raise EnvError(f"env worker {w} could not create {what}: {value.strip().splitlines()[-1]}")
-        self.action_low, self.action_high = value["low"], value["high"]
+        self.action_spec: ActionSpace = value
 
     def _kill(self, w: int) -> None:
         worker = self._workers[w]
@@ -162,7 +161,7 @@ class VectorEnv:
 
     @property
     def action_dim(self) -> int:
-        return len(self.action_low)
+        return self.action_spec.dim
 
     def worker_pids(self) -> list[int | None]:
         return [None if w is None else w.proc.pid for w in self._workers]

@@ -10,7 +10,7 @@ from vlamux.envs.render import configure_gl
 configure_gl()
 import mujoco  # noqa: E402  (after the GL backend is chosen)
 
-from vlamux.envs.base import ActionSpace  # noqa: E402
+from vlamux.envs.base import ActionSpace, observation_space  # noqa: E402
 from vlamux.envs.tabletop.scene import FINGER_DROP, HOME, ZONE_HALF, build_xml, object_half_height  # noqa: E402
 from vlamux.envs.tabletop.tasks import Task, get_task  # noqa: E402
 
@@ -24,6 +24,7 @@ LIFT_HEIGHT = 0.06  # an object counts as picked up when its bottom is this far 
 
 
 class TabletopEnv(gym.Env):
+    action_spec = ACTION_SPACE  # the declared action space (dims, bounds, control mode)
     metadata = {"render_modes": ["rgb_array"], "render_fps": 10}
 
     def __init__(self, task: str = "goal/touch-red-cube", image_size: int = 128,
@@ -39,12 +40,8 @@ class TabletopEnv(gym.Env):
         # swaps which pool entries are shown by building one model per object subset lazily.
         self._models: dict[tuple, tuple] = {}
         self.action_space = gym.spaces.Box(-1.0, 1.0, (ACTION_SPACE.dim,), np.float32)
-        img = gym.spaces.Box(0, 255, (3, image_size, image_size), np.uint8)
-        self.observation_space = gym.spaces.Dict({
-            "images": gym.spaces.Dict({c: img for c in self.cameras}),
-            "state": gym.spaces.Box(-10.0, 10.0, (len(STATE_NAMES),), np.float32),
-            "instruction": gym.spaces.Text(max_length=256, charset=_CHARSET),
-        })
+        self.observation_space = observation_space(
+            self.cameras, image_size, gym.spaces.Box(-10.0, 10.0, (len(STATE_NAMES),), np.float32))
         self.model = self.data = None
         self._renderer = None
 
@@ -119,10 +116,7 @@ class TabletopEnv(gym.Env):
         return self._obs(), {"is_success": False, "task": t.task_id}
 
     def step(self, action):
-        a = np.asarray(action, dtype=np.float64).reshape(-1)
-        if a.shape != (ACTION_SPACE.dim,) or not np.all(np.isfinite(a)):
-            raise ValueError(f"action: expected {ACTION_SPACE.dim} finite numbers, got {np.asarray(action).tolist()}")
-        a = np.clip(a, -1.0, 1.0)
+        a = ACTION_SPACE.check(action)
         pos = self.ee_pos()
         self._ctrl_target = np.clip(pos + a[:3] * MAX_DELTA, [w[0] for w in WORKSPACE], [w[1] for w in WORKSPACE])
         self._grip_cmd = 1.0 if a[3] > 0 else -1.0
@@ -187,8 +181,6 @@ def _place(rng: np.random.Generator, n: int, min_dist: float, min_dx: float = 0.
             return xy
     raise RuntimeError("could not place objects")
 
-
-_CHARSET = "".join(chr(c) for c in range(32, 127))
 
 
 def make_tabletop_env(spec) -> TabletopEnv:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from vlamux.model.heads.base import ActionHead, masked_mean
