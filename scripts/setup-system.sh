@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# System libraries the simulators need: OSMesa (software OpenGL) for headless MuJoCo rendering.
+# System libraries the simulators need: OSMesa (software OpenGL) for headless MuJoCo rendering, and the
+# Vulkan loader + Mesa drivers that SAPIEN (ManiSkill3) looks for.
 set -euo pipefail
 missing=()
-for pkg in libosmesa6 libgl1 libegl1; do
+for pkg in libosmesa6 libgl1 libegl1 libvulkan1 mesa-vulkan-drivers; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
 done
 [ ${#missing[@]} -eq 0 ] && exit 0

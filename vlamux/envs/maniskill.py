@@ -44,6 +44,8 @@ def render_device() -> str:
         import sapien
     except ImportError:
         raise ManiSkillUnavailable("ManiSkill3 is not installed: pip install 'vlamux[maniskill]'") from None
+    except OSError as e:  # SAPIEN's native libraries could not load (no Vulkan loader, say)
+        raise ManiSkillUnavailable(f"SAPIEN could not load: {e}") from None
     for device in ("cuda", "cpu"):
         try:
             sapien.render.RenderSystem(device)
