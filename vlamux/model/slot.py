@@ -45,6 +45,21 @@ class OptimizerSpec:
             raise ValueError(f"optimizer spec: grad_clip must be > 0 or None, got {self.grad_clip}")
 
 
+@dataclass(frozen=True)
+class PolicySnapshot:
+    """An immutable copy of a tenant's policy at one version: the control plane's unit."""
+
+    tenant: str
+    version: int
+    backbone_id: str
+    head_spec: HeadSpec
+    tensors: dict  # "head.*" weights and "stats.*" statistics, on the CPU
+    stats_modes: dict
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
 class Slot:
     def __init__(self, tenant: str, head_spec: HeadSpec, feature_meta: FeatureMeta,
                  optim: OptimizerSpec | None = None, seed: int = 0, device: str | torch.device = "cpu"):
@@ -169,6 +184,30 @@ class Slot:
         out["actions"] = self.stats["action"].unnormalize(out["actions"])
         out["policy_version"] = self.version
         return out
+
+    # ---- control plane: policy snapshots ----------------------------------------------------
+    def export_policy(self) -> PolicySnapshot:
+        """The serving part of this slot (head weights, statistics, version): what inference replicas need."""
+        tensors = {f"head.{k}": v.detach().to("cpu", copy=True) for k, v in self.head.state_dict().items()}
+        for name, stats in self.stats.items():
+            tensors.update(stats.tensors(f"stats.{name}"))
+        return PolicySnapshot(self.tenant, self.version, self.backbone_id, self.head_spec, tensors,
+                              {k: v.mode for k, v in self.stats.items()})
+
+    def apply_policy(self, snap: PolicySnapshot) -> None:
+        if snap.tenant != self.tenant or snap.head_spec != self.head_spec or snap.backbone_id != self.backbone_id:
+            raise IncompatibleError(f"policy snapshot of tenant {snap.tenant!r} ({snap.head_spec.kind}) does not fit "
+                                    f"the slot of tenant {self.tenant!r} ({self.head_spec.kind})")
+        self.head.load_state_dict({k[5:]: v for k, v in snap.tensors.items() if k.startswith("head.")})
+        self.stats = {k: NormStats.from_tensors(snap.tensors, f"stats.{k}", m).to(self.device)
+                      for k, m in snap.stats_modes.items()}
+        self.version = snap.version
+
+    @classmethod
+    def from_policy(cls, snap: PolicySnapshot, feature_meta: FeatureMeta, device="cpu") -> Slot:
+        slot = cls(snap.tenant, snap.head_spec, feature_meta, device=device)
+        slot.apply_policy(snap)
+        return slot
 
     # ---- persistence --------------------------------------------------------------------------
     def state_tensors(self) -> tuple[dict[str, Tensor], dict[str, str]]:

@@ -1,0 +1,137 @@
+"""Training and Inference Model Services on the embedded runtime: concurrency, grouping, versions."""
+
+import threading
+
+import pytest
+import torch
+
+from conftest import TENANTS, make_runner, tenant_batches
+from vlamux.errors import UnknownTenantError
+from vlamux.model import ForwardBackward, OptimizerSpec, Sample, Slot
+from vlamux.services.control import PolicyPublisher
+from vlamux.services.inference import InferenceModelService
+from vlamux.services.queues import InferenceQueueConfig, StaleError
+from vlamux.services.training import TrainingModelService
+
+
+@pytest.fixture
+def services(backbone):
+    pub = PolicyPublisher()
+    pub.start()
+    train = TrainingModelService(backbone, pub, max_staleness=2).start()
+    infer = InferenceModelService(backbone, InferenceQueueConfig(batch_rows=16, max_wait_s=0.01)).start()
+    pub.subscribe(infer.name, infer.stage_policy)
+    for i, (name, (spec, _)) in enumerate(TENANTS.items()):
+        train.create_slot(name, spec, OptimizerSpec(lr=1e-3), seed=100 + i).result(10)
+    assert pub.flush(10)
+    yield train, infer, pub
+    train.stop()
+    infer.stop()
+    pub.stop()
+
+
+def test_concurrent_training_equals_serial(services, backbone):
+    train, _, _ = services
+    serial = make_runner(backbone)
+    for step in range(3):
+        data = tenant_batches(batch=2, seed=step)
+        got, errors = {}, []
+
+        def tenant_loop(t, obs, act):  # every tenant drives its own job from its own thread
+            try:
+                got[t] = train.forward_backward(t, obs, act).result(30)["loss"]
+                train.optim_step(t).result(30)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+        threads = [threading.Thread(target=tenant_loop, args=(t, o, a)) for t, (o, a) in data.items()]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        want = {r.tenant: r.unwrap()["loss"] for r in
+                serial.execute([ForwardBackward(t, o, a) for t, (o, a) in data.items()], grouped=False)}
+        for t in TENANTS:
+            serial.optim_step(t)
+            assert abs(got[t] - want[t]) <= 1e-5, (step, t, got, want)
+    assert all(train.version(t) == 3 for t in TENANTS)
+    assert train.queue.stats.group_requests and max(train.queue.stats.group_requests) > 1  # it did group
+
+
+def test_inference_serves_the_published_version(services, backbone):
+    train, infer, pub = services
+    data = tenant_batches(batch=2)
+    for t, (obs, act) in data.items():
+        train.forward_backward(t, obs, act).result(30)
+        train.optim_step(t).result(30)
+    assert pub.flush(10)
+    futures = {t: infer.predict(t, obs, deterministic=True) for t, (obs, _) in data.items()}
+    for t, f in futures.items():
+        out = f.result(30)
+        assert out["policy_version"] == 1 == train.version(t)
+        # the replica's actions are those of the trained slot: same weights travelled
+        expected = train.runner.execute([Sample(t, data[t][0], True)])[0].unwrap()["actions"]
+        assert (out["actions"] - expected).abs().max() <= 1e-5
+
+
+def test_version_switch_is_atomic_between_groups(services):
+    train, infer, pub = services
+    obs, act = tenant_batches(batch=1)["acme"]
+    stop, seen = threading.Event(), []
+
+    def client():
+        while not stop.is_set():
+            seen.append(infer.predict("acme", obs, deterministic=True).result(30))
+
+    th = threading.Thread(target=client)
+    th.start()
+    for _ in range(4):
+        train.forward_backward("acme", obs, act).result(30)
+        train.optim_step("acme").result(30)
+    pub.flush(10)
+    stop.set()
+    th.join()
+    versions = [s["policy_version"] for s in seen]
+    assert versions == sorted(versions)  # never goes back
+    by_version = {}
+    for s in seen:  # one version, one policy: a chunk is never produced by half-switched weights
+        ref = by_version.setdefault(s["policy_version"], s["actions"])
+        assert torch.equal(ref, s["actions"])
+
+
+def test_unknown_tenant_and_stale_batches_fail_clearly(services):
+    train, infer, _ = services
+    obs, act = tenant_batches(batch=1)["acme"]
+    with pytest.raises(UnknownTenantError, match="nobody"):
+        infer.predict("nobody", obs)
+    for _ in range(3):
+        train.forward_backward("acme", obs, act).result(30)
+        train.optim_step("acme").result(30)
+    with pytest.raises(StaleError, match="3 versions behind"):
+        train.forward_backward("acme", obs, act, policy_version=0).result(30)
+    assert train.forward_backward("acme", obs, act, policy_version=1).result(30)["loss"] > 0
+
+
+def test_control_plane_carries_only_the_tenant_module(services, backbone):
+    train, _, pub = services
+    snap = train.runner.slot("acme").export_policy()
+    assert all(k.startswith(("head.", "stats.")) for k in snap.tensors)
+    backbone_bytes = sum(p.numel() * p.element_size() for p in backbone.parameters())
+    assert snap.nbytes() < backbone_bytes and pub.delivered >= len(TENANTS)
+    replica = Slot.from_policy(snap, backbone.meta)
+    for a, b in zip(replica.head.parameters(), train.runner.slot("acme").head.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_one_tenants_failure_does_not_disturb_the_others(services):
+    train, infer, _ = services
+    data = tenant_batches(batch=2)
+    bad = data["bolt"][1].clone()
+    bad[0, 0, 0] = float("nan")
+    futures = {t: train.forward_backward(t, o, bad if t == "bolt" else a) for t, (o, a) in data.items()}
+    assert isinstance(futures["bolt"].exception(30), ValueError)
+    assert all(f.result(30)["loss"] > 0 for t, f in futures.items() if t != "bolt")
+    with pytest.raises(ValueError, match="optim_step"):  # bolt accumulated nothing
+        train.optim_step("bolt").result(30)
+    assert infer.alive() and train.alive()

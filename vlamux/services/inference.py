@@ -1,0 +1,131 @@
+"""The Inference Model Service: a backbone replica and tenant serving slots at a policy version,
+serving action requests from its Inference Queue with group batching.
+
+A request's life: `predict` puts it on the queue (a future comes back) -> the engine thread takes
+a due group -> applies any staged policy versions (between groups, so a group never mixes versions)
+-> one grouped runner call -> each request's future gets {actions, policy_version}.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from vlamux.errors import UnknownTenantError
+from vlamux.model import Backbone, ModelRunner, Observation, Sample
+from vlamux.model.slot import PolicySnapshot, Slot
+from vlamux.services.accounting import Accounting
+from vlamux.services.queues import InferenceQueue, InferenceQueueConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Predict:
+    obs: Observation
+    deterministic: bool
+
+
+class InferenceModelService:
+    def __init__(self, backbone: Backbone, queue: InferenceQueueConfig | None = None, name: str = "inference-0"):
+        self.name = name
+        self.runner = ModelRunner(backbone)
+        self.backbone = backbone
+        self.queue = InferenceQueue(queue)
+        self.accounting = Accounting()
+        self._staged: dict[str, PolicySnapshot] = {}
+        self._staged_lock = threading.Lock()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self.heartbeat = time.monotonic()
+
+    # ---- control plane ----------------------------------------------------------------------------
+    def stage_policy(self, snap: PolicySnapshot) -> None:
+        """Receive a tenant's policy version; it takes effect between two groups."""
+        if snap.backbone_id != self.backbone.backbone_id:
+            raise ValueError(f"{self.name}: snapshot for backbone {snap.backbone_id!r}, replica serves "
+                             f"{self.backbone.backbone_id!r}")
+        with self._staged_lock:
+            old = self._staged.get(snap.tenant)
+            if old is None or old.version <= snap.version:
+                self._staged[snap.tenant] = snap
+
+    def _apply_staged(self) -> None:
+        # Under the lock: a tenant is always either staged or served, never momentarily neither.
+        with self._staged_lock:
+            staged, self._staged = self._staged, {}
+            for tenant, snap in staged.items():
+                slot = self.runner.slots.get(tenant)
+                if slot is None:
+                    self.runner.add_slot(Slot.from_policy(snap, self.backbone.meta, self.backbone.device))
+                elif snap.version >= slot.version:
+                    slot.apply_policy(snap)
+
+    def policy_version(self, tenant: str) -> int | None:
+        slot = self.runner.slots.get(tenant)
+        return None if slot is None else slot.version
+
+    def serves(self, tenant: str) -> bool:
+        with self._staged_lock:
+            return tenant in self.runner.slots or tenant in self._staged
+
+    # ---- data plane -------------------------------------------------------------------------------
+    def predict(self, tenant: str, obs: Observation, deterministic: bool = False,
+                deadline_s: float | None = None) -> Future:
+        """An action chunk for each observation: a future of {"actions": [B, H, A], "policy_version"}."""
+        if not self.serves(tenant):
+            raise UnknownTenantError(f"{self.name} has no policy for tenant {tenant!r}")
+        return self.queue.submit(tenant, obs.batch_size, _Predict(obs, deterministic), deadline_s)
+
+    def run_once(self, timeout: float | None = 0.1) -> int:
+        """Serve one due group (the engine loop's body); returns the number of requests served."""
+        group = self.queue.next_group(timeout)
+        self.heartbeat = time.monotonic()
+        self._apply_staged()
+        if not group:
+            return 0
+        t0 = time.perf_counter()
+        reqs = [Sample(item.tenant, item.payload.obs, item.payload.deterministic) for item in group]
+        results = self.runner.execute(reqs)
+        self.accounting.busy(time.perf_counter() - t0)
+        for item, res in zip(group, results):
+            self.accounting.charge(item.tenant, backbone_s=res.backbone_s, head_s=res.head_s, requests=1,
+                                   rows=item.rows)
+            if item.future.done():  # cancelled by the caller meanwhile
+                continue
+            if res.ok:
+                out = res.output
+                item.future.set_result({"actions": out["actions"], "policy_version": out["policy_version"],
+                                        **{k: v for k, v in out.items() if k not in ("actions", "policy_version")}})
+            else:
+                item.future.set_exception(res.error)
+        return len(group)
+
+    def _loop(self) -> None:
+        while self._running:
+            try:
+                self.run_once(0.05)
+            except Exception:  # noqa: BLE001 - the engine must outlive one bad group
+                log.exception("%s: engine iteration failed", self.name)
+
+    def start(self) -> InferenceModelService:
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name=f"vlamux-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._running = False
+        self.queue.close()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def metrics(self) -> dict:
+        return {"queue": self.queue.metrics(), "utilization": self.accounting.utilization(),
+                "tenants": len(self.runner.slots)}

@@ -1,0 +1,166 @@
+"""The Training Model Service: the backbone and the tenants' slots, executing operations from its
+Training Queue.
+
+A request's life: a call (`forward_backward`, `optim_step`, ...) puts an operation on the queue
+and returns a future -> the engine thread takes every tenant's ready head operation -> the
+forward_backwards of different tenants run as one group, the rest one by one -> futures resolve,
+the tenants leave flight -> after an optimizer step the tenant's new policy version goes to the
+control plane.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import Tensor
+
+from vlamux.errors import InvalidInputError, UnknownTenantError
+from vlamux.model import Backbone, ForwardBackward, HeadSpec, ModelRunner, Observation, OptimizerSpec
+from vlamux.model.normalize import NormStats
+from vlamux.services.accounting import Accounting
+from vlamux.services.control import PolicyPublisher
+from vlamux.services.queues import TrainingQueue, TrainOp
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _CreateSlot:
+    head_spec: HeadSpec
+    optim: OptimizerSpec | None
+    seed: int
+    stats: dict | None
+
+
+class TrainingModelService:
+    def __init__(self, backbone: Backbone, publisher: PolicyPublisher | None = None, max_staleness: int | None = None,
+                 max_group_rows: int | None = None, name: str = "training"):
+        self.name = name
+        self.backbone = backbone
+        self.runner = ModelRunner(backbone)
+        self.publisher = publisher
+        self.queue = TrainingQueue(self.version, max_staleness, max_group_rows)
+        self.accounting = Accounting()
+        self._running = False
+        self._thread: threading.Thread | None = None
+        self.heartbeat = time.monotonic()
+
+    # ---- operations (each returns a future; one tenant's run in submission order) -----------------
+    def create_slot(self, tenant: str, head_spec: HeadSpec, optim: OptimizerSpec | None = None, seed: int = 0,
+                    stats: dict[str, NormStats] | None = None) -> Future:
+        return self.queue.submit(TrainOp(tenant, "create_slot", _CreateSlot(head_spec, optim, seed, stats)))
+
+    def forward_backward(self, tenant: str, obs: Observation, actions: Tensor, action_mask: Tensor | None = None,
+                         policy_version: int | None = None, priority: int = 0) -> Future:
+        return self.queue.submit(TrainOp(tenant, "forward_backward", ForwardBackward(tenant, obs, actions, action_mask),
+                                         rows=obs.batch_size, priority=priority, policy_version=policy_version))
+
+    def optim_step(self, tenant: str, priority: int = 0) -> Future:
+        return self.queue.submit(TrainOp(tenant, "optim_step", priority=priority))
+
+    def save_state(self, tenant: str, path: str | Path) -> Future:
+        return self.queue.submit(TrainOp(tenant, "save_state", Path(path)))
+
+    def load_state(self, tenant: str, path: str | Path) -> Future:
+        return self.queue.submit(TrainOp(tenant, "load_state", Path(path)))
+
+    def version(self, tenant: str) -> int:
+        slot = self.runner.slots.get(tenant)
+        if slot is None:
+            raise UnknownTenantError(f"no slot for tenant {tenant!r}")
+        return slot.version
+
+    def tenants(self) -> list[str]:
+        return list(self.runner.slots)
+
+    # ---- engine -----------------------------------------------------------------------------------
+    def run_once(self, timeout: float | None = 0.1) -> int:
+        batch = self.queue.next_batch(timeout)
+        self.heartbeat = time.monotonic()
+        if not batch:
+            return 0
+        t0 = time.perf_counter()
+        try:
+            group = [op for op in batch if op.kind == "forward_backward"]
+            if group:
+                for op, res in zip(group, self.runner.execute([op.payload for op in group])):
+                    self.accounting.charge(op.tenant, backbone_s=res.backbone_s, head_s=res.head_s, rows=op.rows)
+                    _resolve(op.future, res.output, res.error)
+            for op in batch:
+                if op.kind != "forward_backward":
+                    t1 = time.perf_counter()
+                    try:
+                        _resolve(op.future, self._run_op(op), None)
+                    except Exception as e:  # noqa: BLE001 - that tenant's failure only
+                        _resolve(op.future, None, e)
+                    self.accounting.charge(op.tenant, head_s=time.perf_counter() - t1)
+        finally:
+            self.accounting.busy(time.perf_counter() - t0)
+            for op in batch:
+                self.queue.done(op.tenant)
+        return len(batch)
+
+    def _run_op(self, op: TrainOp):
+        if op.kind == "create_slot":
+            c: _CreateSlot = op.payload
+            slot = self.runner.create_slot(op.tenant, c.head_spec, c.optim, c.seed)
+            if c.stats:
+                slot.set_stats(**c.stats)
+            self._publish(op.tenant)
+            return {"policy_version": slot.version}
+        if op.kind == "optim_step":
+            out = self.runner.optim_step(op.tenant).unwrap()
+            self._publish(op.tenant)
+            return out
+        if op.kind == "save_state":
+            self.runner.slot(op.tenant).save(op.payload)
+            return {"path": str(op.payload), "policy_version": self.version(op.tenant)}
+        if op.kind == "load_state":
+            self.runner.slot(op.tenant).load_state(op.payload)
+            self._publish(op.tenant)
+            return {"policy_version": self.version(op.tenant)}
+        raise InvalidInputError(f"unknown training operation {op.kind!r}")
+
+    def _publish(self, tenant: str) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(self.runner.slot(tenant).export_policy())
+
+    def _loop(self) -> None:
+        while self._running:
+            try:
+                self.run_once(0.05)
+            except Exception:  # noqa: BLE001 - the engine must outlive one bad batch
+                log.exception("%s: engine iteration failed", self.name)
+
+    def start(self) -> TrainingModelService:
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name=f"vlamux-{self.name}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._running = False
+        self.queue.close()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def metrics(self) -> dict:
+        return {"queue": self.queue.metrics(), "utilization": self.accounting.utilization(),
+                "tenants": len(self.runner.slots)}
+
+
+def _resolve(future: Future, value, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(value)
+    else:
+        future.set_exception(error)
