@@ -18,6 +18,7 @@ from vlamux.errors import UnknownTenantError
 from vlamux.model import Backbone, ModelRunner, Observation, Sample
 from vlamux.model.slot import PolicySnapshot, Slot
 from vlamux.services.accounting import Accounting
+from vlamux.services.engine import EngineLoop
 from vlamux.services.queues import InferenceQueue, InferenceQueueConfig
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ class _Predict:
     deterministic: bool
 
 
-class InferenceModelService:
+class InferenceModelService(EngineLoop):
     def __init__(self, backbone: Backbone, queue: InferenceQueueConfig | None = None, name: str = "inference-0"):
         self.name = name
         self.runner = ModelRunner(backbone)
@@ -38,9 +39,6 @@ class InferenceModelService:
         self.accounting = Accounting()
         self._staged: dict[str, PolicySnapshot] = {}
         self._staged_lock = threading.Lock()
-        self._running = False
-        self._thread: threading.Thread | None = None
-        self.heartbeat = time.monotonic()
 
     # ---- control plane ----------------------------------------------------------------------------
     def stage_policy(self, snap: PolicySnapshot) -> None:
@@ -83,7 +81,6 @@ class InferenceModelService:
     def run_once(self, timeout: float | None = 0.1) -> int:
         """Serve one due group (the engine loop's body); returns the number of requests served."""
         group = self.queue.next_group(timeout)
-        self.heartbeat = time.monotonic()
         self._apply_staged()
         if not group:
             return 0
@@ -104,28 +101,3 @@ class InferenceModelService:
                 item.future.set_exception(res.error)
         return len(group)
 
-    def _loop(self) -> None:
-        while self._running:
-            try:
-                self.run_once(0.05)
-            except Exception:  # noqa: BLE001 - the engine must outlive one bad group
-                log.exception("%s: engine iteration failed", self.name)
-
-    def start(self) -> InferenceModelService:
-        self._running = True
-        self._thread = threading.Thread(target=self._loop, name=f"vlamux-{self.name}", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._running = False
-        self.queue.close()
-        if self._thread:
-            self._thread.join(timeout=10)
-
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def metrics(self) -> dict:
-        return {"queue": self.queue.metrics(), "utilization": self.accounting.utilization(),
-                "tenants": len(self.runner.slots)}

@@ -11,7 +11,6 @@ control plane.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from vlamux.errors import InvalidInputError, UnknownTenantError
 from vlamux.model import Backbone, ForwardBackward, HeadSpec, ModelRunner, Observation, OptimizerSpec
 from vlamux.model.normalize import NormStats
 from vlamux.services.accounting import Accounting
+from vlamux.services.engine import EngineLoop
 from vlamux.services.control import PolicyPublisher
 from vlamux.services.queues import TrainingQueue, TrainOp
 
@@ -37,7 +37,7 @@ class _CreateSlot:
     stats: dict | None
 
 
-class TrainingModelService:
+class TrainingModelService(EngineLoop):
     def __init__(self, backbone: Backbone, publisher: PolicyPublisher | None = None, max_staleness: int | None = None,
                  max_group_rows: int | None = None, name: str = "training"):
         self.name = name
@@ -46,9 +46,6 @@ class TrainingModelService:
         self.publisher = publisher
         self.queue = TrainingQueue(self.version, max_staleness, max_group_rows)
         self.accounting = Accounting()
-        self._running = False
-        self._thread: threading.Thread | None = None
-        self.heartbeat = time.monotonic()
 
     # ---- operations (each returns a future; one tenant's run in submission order) -----------------
     def create_slot(self, tenant: str, head_spec: HeadSpec, optim: OptimizerSpec | None = None, seed: int = 0,
@@ -81,7 +78,6 @@ class TrainingModelService:
     # ---- engine -----------------------------------------------------------------------------------
     def run_once(self, timeout: float | None = 0.1) -> int:
         batch = self.queue.next_batch(timeout)
-        self.heartbeat = time.monotonic()
         if not batch:
             return 0
         t0 = time.perf_counter()
@@ -129,32 +125,6 @@ class TrainingModelService:
     def _publish(self, tenant: str) -> None:
         if self.publisher is not None:
             self.publisher.publish(self.runner.slot(tenant).export_policy())
-
-    def _loop(self) -> None:
-        while self._running:
-            try:
-                self.run_once(0.05)
-            except Exception:  # noqa: BLE001 - the engine must outlive one bad batch
-                log.exception("%s: engine iteration failed", self.name)
-
-    def start(self) -> TrainingModelService:
-        self._running = True
-        self._thread = threading.Thread(target=self._loop, name=f"vlamux-{self.name}", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._running = False
-        self.queue.close()
-        if self._thread:
-            self._thread.join(timeout=10)
-
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def metrics(self) -> dict:
-        return {"queue": self.queue.metrics(), "utilization": self.accounting.utilization(),
-                "tenants": len(self.runner.slots)}
 
 
 def _resolve(future: Future, value, error: BaseException | None) -> None:
