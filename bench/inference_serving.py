@@ -1,0 +1,180 @@
+"""Inference serving benchmark: K concurrent tenant sessions sending action requests.
+
+For K in {1, 8, 32} sessions (each its own tenant and head; heads cycle l1_chunk, flow, gaussian,
+bins), on the `small` preset with two 128x128 cameras, in one run:
+  grouped    the Inference Model Service with group batching (B = K rows, T = --max-wait-ms)
+  baseline   the same service with B = 1: every request runs alone (no batching)
+  limit      raw backbone + heads on one batch of K (the runner, grouped) vs K separate calls
+Clients are closed-loop: each sends a request, waits for its chunk, sends the next.
+It also measures the scheduler's own cost per request with a no-op model (scheduler_overhead_us).
+Writes bench/results/inference_serving.json.
+
+    python bench/inference_serving.py [--quick] [--seconds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, interleaved_medians, print_table, write_json  # noqa: E402
+
+from vlamux.model import BackboneSpec, HeadSpec, Result, Sample, build_backbone  # noqa: E402
+from vlamux.model.slot import Slot  # noqa: E402
+from vlamux.services.inference import InferenceModelService  # noqa: E402
+from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
+from vlamux.synthetic import TaskProfile, make_batch  # noqa: E402
+
+HEAD_KINDS = ["l1_chunk", "flow", "gaussian", "bins"]
+TEMPLATES = ["pick up the {color} block", "push {color} cube away", "touch the {color} ball", "grab {color} box now"]
+
+
+def tenants(k: int, backbone):
+    """K tenants' serving slots and one observation each (b = 1)."""
+    g = torch.Generator().manual_seed(k)
+    out = []
+    for i in range(k):
+        spec = HeadSpec(HEAD_KINDS[i % 4], action_dim=7, horizon=8, state_dim=8)
+        slot = Slot(f"tenant{i}", spec, backbone.meta, seed=i, device=backbone.device)
+        obs, _ = make_batch(TaskProfile({"agentview": (128, 128), "wrist": (128, 128)}, 7, 8, 8, TEMPLATES[i % 4]),
+                            1, g)
+        out.append((slot, obs))
+    return out
+
+
+def serve(backbone, population, batch_rows: int, max_wait_s: float, seconds: float) -> dict:
+    svc = InferenceModelService(backbone, InferenceQueueConfig(batch_rows=batch_rows, max_wait_s=max_wait_s,
+                                                               deadline_s=600))
+    for slot, _ in population:
+        svc.stage_policy(slot.export_policy())
+    svc.start()
+    latencies: list[float] = []
+    lock, stop, errors = threading.Lock(), threading.Event(), []
+
+    def client(tenant, obs):
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                svc.predict(tenant, obs).result(600)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+                return
+            with lock:
+                latencies.append(time.perf_counter() - t0)
+
+    threads = [threading.Thread(target=client, args=(s.tenant, o)) for s, o in population]
+    for slot, obs in population[:1]:  # warm-up group
+        svc.predict(slot.tenant, obs).result(600)
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    svc.stop()
+    if errors:
+        raise errors[0]
+    lat = sorted(latencies)
+    return {"requests_per_s": len(lat) / wall, "p50_ms": 1e3 * lat[len(lat) // 2],
+            "p99_ms": 1e3 * lat[min(len(lat) - 1, int(0.99 * len(lat)))], "requests": len(lat),
+            "group_rows_mean": svc.queue.stats.snapshot()["group_rows_mean"]}
+
+
+def limit(backbone, population, repeats: int) -> tuple[float, float, float]:
+    """(speedup, grouped seconds, serial seconds) of backbone+heads on one batch of K vs K calls."""
+    from vlamux.model import ModelRunner
+
+    runner = ModelRunner(backbone)
+    for slot, _ in population:
+        runner.add_slot(slot)
+    reqs = [Sample(s.tenant, o) for s, o in population]
+    runner.execute(reqs)
+    t = interleaved_medians({"grouped": lambda: runner.execute(reqs, grouped=True),
+                             "serial": lambda: runner.execute(reqs, grouped=False)}, repeats, "cpu", 1.0)
+    return t["serial"] / t["grouped"], t["grouped"], t["serial"]
+
+
+class _NoopRunner:
+    """Stands in for the model in the scheduler-overhead measurement: returns at once."""
+
+    slots: dict = {}
+
+    def execute(self, reqs):
+        return [Result(r.tenant, {"actions": None, "policy_version": 0}) for r in reqs]
+
+
+def scheduler_overhead_us(n: int = 20000, batch_rows: int = 32) -> float:
+    """Per-request cost of queue + engine + futures with a no-op model, open loop."""
+    backbone = build_backbone(BackboneSpec(preset="tiny"))
+    svc = InferenceModelService(backbone, InferenceQueueConfig(batch_rows=batch_rows, max_wait_s=0.0005))
+    svc.runner = _NoopRunner()
+    svc.serves = lambda tenant: True
+    obs, _ = make_batch(TaskProfile(), 1, torch.Generator().manual_seed(0))
+    svc.start()
+    t0 = time.perf_counter()
+    futures = [svc.predict(f"t{i % 32}", obs) for i in range(n)]
+    for f in futures:
+        f.result(60)
+    per = (time.perf_counter() - t0) / n
+    svc.stop()
+    return per * 1e6
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny preset, short runs: under a minute")
+    ap.add_argument("--preset", default=None)
+    ap.add_argument("--seconds", type=float, default=None, help="measuring time per (K, mode)")
+    ap.add_argument("--max-wait-ms", type=float, default=20.0, help="T of the grouped mode")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    preset = args.preset or ("tiny" if args.quick else "small")
+    seconds = args.seconds or (3.0 if args.quick else 12.0)
+    T = args.max_wait_ms / 1e3
+    backbone = build_backbone(BackboneSpec(preset=preset), device=args.device)
+    env = environment(args.device)
+    print(f"inference serving: preset={preset}, device={args.device}, threads={env['threads']}, "
+          f"{seconds:.0f}s per cell, T={args.max_wait_ms}ms", flush=True)
+    rows, limits = [], {}
+    for k in (1, 8, 32):
+        population = tenants(k, backbone)
+        speedup, grouped_s, serial_s = limit(backbone, population, repeats=3)
+        limits[k] = {"sessions": k, "limit_speedup": speedup, "grouped_forward_ms": grouped_s * 1e3,
+                     "separate_forward_ms": serial_s * 1e3}
+        for mode, b, t in (("baseline", 1, 0.0), ("grouped", k, T)):
+            r = serve(backbone, population, b, t, seconds)
+            rows.append({"sessions": k, "mode": mode, **r})
+            print(f"  K={k:2d} {mode:8s}: {r['requests_per_s']:7.1f} req/s  p50 {r['p50_ms']:7.1f} ms  "
+                  f"p99 {r['p99_ms']:7.1f} ms  (limit {speedup:.2f}x)", flush=True)
+    overhead = scheduler_overhead_us()
+    print()
+    print_table(rows, [("sessions", "d"), ("mode", "s"), ("requests_per_s", ".1f"), ("p50_ms", ".1f"),
+                       ("p99_ms", ".1f"), ("group_rows_mean", ".1f")])
+    k = 32
+    base = next(r for r in rows if r["sessions"] == k and r["mode"] == "baseline")
+    grp = next(r for r in rows if r["sessions"] == k and r["mode"] == "grouped")
+    ratio = grp["requests_per_s"] / (limits[k]["limit_speedup"] * base["requests_per_s"])
+    p99_bound = args.max_wait_ms + 2 * limits[k]["grouped_forward_ms"]
+    summary = {"throughput_vs_limit_at_32": ratio, "p99_ms_at_32": grp["p99_ms"], "p99_bound_ms": p99_bound,
+               "scheduler_overhead_us": overhead}
+    print(f"\nK=32: grouped throughput = {ratio:.2f} x (limit_speedup x baseline) (target >= 0.90); "
+          f"p99 {grp['p99_ms']:.0f} ms vs bound T + 2 x grouped forward = {p99_bound:.0f} ms")
+    print(f"scheduler overhead with a no-op model: {overhead:.0f} us per request (target <= 200)")
+    out = write_json("inference_serving_quick.json" if args.quick else "inference_serving.json",
+                     {"cells": rows, "limits": list(limits.values()), "summary": summary,
+                      "config": {"preset": preset, "max_wait_ms": args.max_wait_ms, "seconds": seconds, **env}})
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
