@@ -15,7 +15,6 @@ Writes bench/results/inference_serving.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import threading
 import time

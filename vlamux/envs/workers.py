@@ -264,6 +264,17 @@ class VectorEnv:
         trunc = np.array([r[3] for r in ordered])
         return obs, reward, term, trunc, [r[4] for r in ordered]
 
+    def check_workers(self, timeout_s: float = 5.0) -> list[int]:
+        """Health check: replace every worker that died or does not answer a ping in `timeout_s`.
+        Returns the replaced workers; their envs then need a reset."""
+        dead = [w for w, worker in enumerate(self._workers) if worker is None or not worker.proc.is_alive()]
+        for w in dead:
+            self._replace(w)
+        alive = {w: None for w in range(self.n_workers) if w not in dead}
+        _, err = self._call("ping", alive, timeout_s) if alive else ({}, None)
+        hung = [w for w in alive if err is not None and any(i in err.failed_envs for i in self._assign[w])]
+        return sorted(dead + hung)
+
     def debug_sleep(self, worker: int, seconds: float, timeout_s: float | None = None) -> None:
         _, err = self._call("debug_sleep", {worker: seconds}, timeout_s)
         if err is not None:

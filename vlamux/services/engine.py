@@ -32,14 +32,17 @@ class EngineLoop:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def stop(self, join_timeout_s: float = 10.0) -> None:
+        """Stop the loop and fail what is still queued (callers may re-route it). A hung engine
+        thread is not waited for beyond `join_timeout_s`: it is abandoned, and exits when it wakes."""
         self._running = False
         self.queue.close()
-        if self._thread:
-            self._thread.join(timeout=10)
+        if self._thread and self._thread is not threading.current_thread():
+            self._thread.join(timeout=join_timeout_s)
 
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """Running and not stopped: a stopped engine takes no work even while its thread winds down."""
+        return self._running and self._thread is not None and self._thread.is_alive()
 
     def metrics(self) -> dict:
         return {"queue": self.queue.metrics(), "utilization": self.accounting.utilization(),

@@ -525,6 +525,25 @@ class EnvironmentService:
             _close_quietly(h.vec if isinstance(h, _Session) else h.dataset)
         return [h.id for h in victims]
 
+    def check_workers(self, timeout_s: float = 5.0) -> dict[str, list[int]]:
+        """Health check of every idle session's simulator workers (busy sessions are being checked by
+        their own calls): dead or hung workers are replaced. Returns session id -> replaced workers."""
+        with self._lock:
+            sessions = [s for s in self._sessions.values() if not s.closed]
+        replaced = {}
+        for s in sessions:
+            if not s.lock.acquire(blocking=False):
+                continue
+            try:
+                workers = s.vec.check_workers(timeout_s)
+                if workers:
+                    replaced[s.id] = workers
+            except Exception:  # noqa: BLE001 - a failed check is retried next round
+                log.exception("health check of session %s failed", s.id)
+            finally:
+                s.lock.release()
+        return replaced
+
     def start_reaper(self, interval_s: float = 5.0) -> None:
         """Run `reap` every `interval_s` seconds in a daemon thread (until `stop` or `close`)."""
         interval_s = _positive("interval_s", interval_s)

@@ -1,0 +1,146 @@
+"""The embedded runtime with its Health Manager: restarts in place, elastic replicas, nothing dropped."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from conftest import TENANTS, tenant_batches
+from vlamux.envs import EnvSpec
+from vlamux.model import BackboneSpec, OptimizerSpec
+from vlamux.services.queues import InferenceQueueConfig
+from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
+
+
+def wait_for(cond, timeout=20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def runtime():
+    cfg = RuntimeConfig(backbone=BackboneSpec(preset="tiny"), inference_replicas=2,
+                        inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.005),
+                        health_interval_s=0.1, hung_after_s=1.0, env_check_every_s=0.2)
+    rt = EmbeddedRuntime(cfg).start()
+    for i, (name, (spec, _)) in enumerate(TENANTS.items()):
+        rt.create_slot(name, spec, OptimizerSpec(lr=1e-3), seed=i).result(30)
+    assert rt.publisher.flush(10)
+    yield rt
+    rt.stop()
+
+
+class Clients:
+    """Every tenant sends action requests in a loop from its own thread; counts successes and errors."""
+
+    def __init__(self, rt, tenants):
+        data = tenant_batches(batch=1)
+        self.ok, self.errors, self.stop = {t: 0 for t in tenants}, [], threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(rt, t, data[t][0])) for t in tenants]
+
+    def _run(self, rt, tenant, obs):
+        while not self.stop.is_set():
+            try:
+                rt.predict(tenant, obs, deterministic=True).result(30)
+                self.ok[tenant] += 1
+            except Exception as e:  # noqa: BLE001
+                self.errors.append((tenant, repr(e)))
+
+    def __enter__(self):
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
+def crash(service):
+    """What an unhandled error in the engine thread does: the thread ends, the queue is left as it is."""
+    service._running = False
+    service._thread.join(5)
+
+
+def test_killed_inference_replica_is_restarted_and_requests_keep_succeeding(runtime):
+    with Clients(runtime, list(TENANTS)) as c:
+        time.sleep(0.3)
+        victim = runtime.replicas["inference-0"]
+        crash(victim)
+        assert wait_for(lambda: runtime.replicas["inference-0"] is not victim and runtime.replicas["inference-0"].alive())
+        before = dict(c.ok)
+        assert wait_for(lambda: all(c.ok[t] > before[t] + 3 for t in TENANTS))
+    assert c.errors == []
+    assert runtime.health.roles["inference-0"].restarts == 1 and runtime.health.roles["inference-1"].restarts == 0
+    assert runtime.replicas["inference-0"].policy_version("acme") == runtime.training.version("acme")
+
+
+def test_hung_inference_replica_is_replaced(runtime):
+    victim = runtime.replicas["inference-1"]
+    release = threading.Event()
+    victim.run_once = lambda timeout=None: release.wait(30)  # a stuck model call
+    with Clients(runtime, ["acme", "delta"]) as c:
+        assert wait_for(lambda: runtime.replicas["inference-1"] is not victim, timeout=15)
+        before = dict(c.ok)
+        assert wait_for(lambda: all(c.ok[t] > before[t] + 3 for t in ["acme", "delta"]))
+    release.set()
+    assert c.errors == []
+
+
+def test_killed_training_role_comes_back_with_its_tenants(runtime, tmp_path):
+    data = tenant_batches(batch=2)
+    for t, (obs, act) in data.items():
+        runtime.forward_backward(t, obs, act).result(30)
+        runtime.optim_step(t).result(30)
+    runtime.save_state("acme", tmp_path / "acme.safetensors").result(30)
+    obs, act = data["acme"]
+    runtime.forward_backward("acme", obs, act).result(30)
+    runtime.optim_step("acme").result(30)  # version 2, after the checkpoint
+    assert runtime.publisher.flush(10)
+    old = runtime.training
+    with Clients(runtime, ["bolt", "cobalt"]) as c:
+        crash(old)
+        assert wait_for(lambda: runtime.training is not old and runtime.training.alive())
+        time.sleep(0.3)
+    assert c.errors == [] and all(v > 0 for v in c.ok.values())
+    assert runtime.training.version("acme") == 1  # from its checkpoint
+    assert runtime.training.version("bolt") == 1  # from its last published version
+    out = runtime.forward_backward("bolt", *data["bolt"]).result(30)  # training goes on
+    assert out["loss"] > 0 and runtime.optim_step("bolt").result(30)["policy_version"] == 2
+
+
+def test_killed_environment_worker_is_replaced_by_the_health_manager(runtime):
+    env = runtime.environment
+    spec = EnvSpec(task="goal/touch-red-cube", image_size=16)
+    mine = env.open_session("acme", spec, n_envs=1, n_workers=1)
+    theirs = env.open_session("bolt", spec, n_envs=1, n_workers=1)
+    env.reset("acme", mine, seed=0)
+    env.reset("bolt", theirs, seed=0)
+    pid = env._sessions[mine].vec.worker_pids()[0]
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: runtime.health.env_replacements >= 1, timeout=15)
+    assert env._sessions[mine].vec.worker_pids()[0] not in (pid, None)
+    env.step("bolt", theirs, [[0.0, 0.0, 0.0, 0.0]])  # the other tenant never noticed
+    env.reset("acme", mine, seed=1)
+    env.step("acme", mine, [[0.0, 0.0, 0.0, 0.0]])
+
+
+def test_elastic_replicas_added_and_removed_under_load(runtime):
+    with Clients(runtime, list(TENANTS)) as c:
+        time.sleep(0.2)
+        name = runtime.add_inference_replica()
+        assert wait_for(lambda: runtime.replicas[name].queue.stats.groups > 0)
+        runtime.remove_inference_replica("inference-0")
+        runtime.remove_inference_replica("inference-1")
+        before = dict(c.ok)
+        assert wait_for(lambda: all(c.ok[t] > before[t] + 3 for t in TENANTS))
+    assert c.errors == [] and list(runtime.replicas) == [name]
+    with pytest.raises(ValueError, match="last inference replica"):
+        runtime.remove_inference_replica(name)

@@ -1,0 +1,222 @@
+"""The embedded runtime: every service in one process (simulators in worker processes), started by
+one call, with the Health Manager watching them. It also routes: action requests go to the least
+loaded live inference replica, and a request whose replica went away is re-sent to another, so
+adding, removing or restarting a replica drops nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vlamux.errors import UnknownTenantError
+from vlamux.model import BackboneSpec, HeadSpec, Observation, OptimizerSpec, build_backbone
+from vlamux.model.slot import PolicySnapshot
+from vlamux.services.control import PolicyPublisher
+from vlamux.services.environment import EnvironmentService
+from vlamux.services.health import HealthManager, Role
+from vlamux.services.inference import InferenceModelService
+from vlamux.services.queues import InferenceQueueConfig, QueueClosed
+from vlamux.services.training import TrainingModelService
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RuntimeConfig:
+    backbone: BackboneSpec = field(default_factory=BackboneSpec)
+    device: str = "cpu"
+    inference_replicas: int = 1
+    inference_queue: InferenceQueueConfig = field(default_factory=InferenceQueueConfig)
+    max_staleness: int | None = None
+    max_group_rows: int | None = None
+    health_interval_s: float = 0.5
+    hung_after_s: float = 30.0
+    env_check_every_s: float = 5.0
+    environment: dict = field(default_factory=dict)  # EnvironmentService keyword arguments
+
+
+@dataclass
+class _Recipe:
+    head_spec: HeadSpec
+    optim: OptimizerSpec | None
+    seed: int
+
+
+class EmbeddedRuntime:
+    def __init__(self, config: RuntimeConfig | None = None):
+        self.config = config or RuntimeConfig()
+        self.backbone = build_backbone(self.config.backbone, device=self.config.device)
+        self.publisher = PolicyPublisher()
+        self.latest: dict[str, PolicySnapshot] = {}  # newest published version per tenant
+        self.publisher.subscribe("runtime", self._remember)
+        self.training = self._new_training()
+        self.replicas: dict[str, InferenceModelService] = {}
+        self.environment = EnvironmentService(**self.config.environment)
+        self.health = HealthManager(self.config.health_interval_s, self.config.hung_after_s,
+                                    env_check=self.environment.check_workers,
+                                    env_check_every_s=self.config.env_check_every_s)
+        self._recipes: dict[str, _Recipe] = {}
+        self._checkpoints: dict[str, Path] = {}
+        self._lock = threading.RLock()
+        self._names = itertools.count()
+        self._started = False
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> EmbeddedRuntime:
+        self.publisher.start()
+        self.training.start()
+        self.health.watch(Role("training", lambda: self.training.alive(), lambda: self.training.heartbeat,
+                               self._restart_training))
+        for _ in range(self.config.inference_replicas):
+            self.add_inference_replica()
+        self.health.start()
+        self.environment.start_reaper()
+        self._started = True
+        return self
+
+    def stop(self) -> None:
+        self.health.stop()
+        for name in list(self.replicas):
+            self.replicas.pop(name).stop()
+        self.training.stop()
+        self.publisher.stop()
+        self.environment.close()
+        self._started = False
+
+    def __enter__(self) -> EmbeddedRuntime:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # ---- training (recorded so a restarted training role can rebuild its tenants) -----------------
+    def create_slot(self, tenant: str, head_spec: HeadSpec, optim: OptimizerSpec | None = None, seed: int = 0,
+                    stats: dict | None = None) -> Future:
+        with self._lock:
+            self._recipes[tenant] = _Recipe(head_spec, optim, seed)
+        return self.training.create_slot(tenant, head_spec, optim, seed, stats)
+
+    def save_state(self, tenant: str, path: str | Path) -> Future:
+        fut = self.training.save_state(tenant, path)
+        fut.add_done_callback(lambda f: f.exception() is None and self._checkpoints.__setitem__(tenant, Path(path)))
+        return fut
+
+    def forward_backward(self, tenant: str, *args, **kwargs) -> Future:
+        return self.training.forward_backward(tenant, *args, **kwargs)
+
+    def optim_step(self, tenant: str, **kwargs) -> Future:
+        return self.training.optim_step(tenant, **kwargs)
+
+    def _new_training(self) -> TrainingModelService:
+        return TrainingModelService(self.backbone, self.publisher, self.config.max_staleness,
+                                    self.config.max_group_rows)
+
+    def _restart_training(self) -> None:
+        """Rebuild the training role; each tenant comes back from its last checkpoint, else from its
+        last published version (weights and statistics; the optimizer state starts afresh)."""
+        old = self.training
+        try:
+            old.stop(join_timeout_s=1.0)
+        except Exception:  # noqa: BLE001 - it is being replaced because it is broken
+            log.exception("stopping the failed training role")
+        new = self._new_training()
+        with self._lock:
+            recipes, checkpoints = dict(self._recipes), dict(self._checkpoints)
+        for tenant, r in recipes.items():
+            new.runner.create_slot(tenant, r.head_spec, r.optim, r.seed)
+            if tenant in checkpoints:
+                new.runner.slot(tenant).load_state(checkpoints[tenant])
+            elif tenant in self.latest:
+                new.runner.slot(tenant).apply_policy(self.latest[tenant])
+        self.training = new.start()
+
+    def _remember(self, snap: PolicySnapshot) -> None:
+        old = self.latest.get(snap.tenant)
+        if old is None or old.version <= snap.version:
+            self.latest[snap.tenant] = snap
+
+    # ---- inference --------------------------------------------------------------------------------
+    def add_inference_replica(self) -> str:
+        name = f"inference-{next(self._names)}"
+        self._start_replica(name)
+        self.health.watch(Role(name, lambda: self.replicas[name].alive(), lambda: self.replicas[name].heartbeat,
+                               lambda: self._restart_replica(name)))
+        return name
+
+    def _start_replica(self, name: str) -> InferenceModelService:
+        svc = InferenceModelService(self.backbone, self.config.inference_queue, name)
+        self.publisher.subscribe(name, svc.stage_policy)
+        for snap in list(self.latest.values()):  # it serves every tenant from its newest version on
+            svc.stage_policy(snap)
+        svc.start()
+        with self._lock:
+            self.replicas[name] = svc
+        return svc
+
+    def _restart_replica(self, name: str) -> None:
+        with self._lock:
+            old = self.replicas.get(name)
+        self.publisher.unsubscribe(name)
+        if old is not None:
+            old.stop(join_timeout_s=1.0)  # its queued requests fail with QueueClosed; `predict` re-routes them
+        self._start_replica(name)
+
+    def remove_inference_replica(self, name: str) -> None:
+        """Take a replica out of service: no new requests, the queued ones re-routed, then stopped."""
+        with self._lock:
+            if len(self.replicas) <= 1:
+                raise ValueError("cannot remove the last inference replica")
+            svc = self.replicas.pop(name)
+        self.health.unwatch(name)
+        self.publisher.unsubscribe(name)
+        svc.stop()
+
+    def predict(self, tenant: str, obs: Observation, deterministic: bool = False,
+                deadline_s: float | None = None, _tries: int = 3) -> Future:
+        """A future of {"actions", "policy_version"} from the least loaded live replica."""
+        out: Future = Future()
+        self._route(out, tenant, obs, deterministic, deadline_s, _tries)
+        return out
+
+    def _route(self, out: Future, tenant, obs, deterministic, deadline_s, tries: int) -> None:
+        with self._lock:
+            live = [s for s in self.replicas.values() if s.alive() and s.serves(tenant)]
+        if not live:
+            if tenant not in self.latest:
+                out.set_exception(UnknownTenantError(f"no policy for tenant {tenant!r}"))
+            else:
+                out.set_exception(QueueClosed(f"no live inference replica serves tenant {tenant!r}"))
+            return
+        svc = min(live, key=lambda s: s.queue.depth()[1])
+        try:
+            inner = svc.predict(tenant, obs, deterministic, deadline_s)
+        except (QueueClosed, UnknownTenantError) as e:
+            if tries > 1:
+                return self._route(out, tenant, obs, deterministic, deadline_s, tries - 1)
+            out.set_exception(e)
+            return
+
+        def done(f: Future) -> None:
+            e = f.exception()
+            if isinstance(e, QueueClosed) and tries > 1:  # its replica went away: send it to another
+                self._route(out, tenant, obs, deterministic, deadline_s, tries - 1)
+            elif e is not None:
+                out.set_exception(e)
+            else:
+                out.set_result(f.result())
+
+        inner.add_done_callback(done)
+
+    def metrics(self) -> dict:
+        return {
+            "training": self.training.metrics(),
+            "inference": {n: s.metrics() for n, s in self.replicas.items()},
+            "environment": self.environment.metrics(),
+            "health": {n: r.restarts for n, r in self.health.roles.items()},
+            "control_plane": {"delivered": self.publisher.delivered, "bytes": self.publisher.bytes_sent},
+        }
