@@ -1,6 +1,7 @@
 """Training and Inference Model Services on the embedded runtime: concurrency, grouping, versions."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -135,3 +136,48 @@ def test_one_tenants_failure_does_not_disturb_the_others(services):
     with pytest.raises(ValueError, match="optim_step"):  # bolt accumulated nothing
         train.optim_step("bolt").result(30)
     assert infer.alive() and train.alive()
+
+
+def test_a_flooding_tenant_at_most_doubles_a_light_tenants_median_wait(backbone):
+    """Least-served-first scheduling: a tenant keeping 20 groups' worth of requests queued does not
+    push a light tenant's median latency past twice what it is alone (FIFO would be ~20 groups)."""
+    from vlamux.model import Slot
+
+    svc = InferenceModelService(backbone, InferenceQueueConfig(batch_rows=8, max_wait_s=0.05)).start()
+    data = tenant_batches(batch=1)
+    for i, (t, (spec, _)) in enumerate(TENANTS.items()):
+        svc.stage_policy(Slot(t, spec, backbone.meta, seed=i).export_policy())
+
+    def light_median(n=15):
+        lat = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            svc.predict("acme", data["acme"][0], deterministic=True).result(30)
+            lat.append(time.perf_counter() - t0)
+        return sorted(lat)[n // 2]
+
+    try:
+        light_median(3)  # warm-up
+        alone = light_median()
+        stop = threading.Event()
+
+        def flood():
+            pending = []
+            while not stop.is_set():
+                pending = [f for f in pending if not f.done()]
+                while len(pending) < 160:  # 20 groups of 8 rows
+                    pending.append(svc.predict("delta", data["delta"][0]))
+                time.sleep(0.002)
+
+        th = threading.Thread(target=flood)
+        th.start()
+        time.sleep(0.2)
+        try:
+            flooded = light_median()
+        finally:
+            stop.set()
+            th.join()
+    finally:
+        svc.stop()
+    print(f"light tenant median latency: alone {alone * 1e3:.1f} ms, with a flooding tenant {flooded * 1e3:.1f} ms")
+    assert flooded <= 2 * alone, (flooded, alone)

@@ -1,0 +1,155 @@
+"""The services as Ray actors on a local multi-node cluster (Ray's own cluster_utils on this machine)."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Read when ray is first imported: every node then takes the loopback address, so the test
+# cluster's traffic never leaves this machine.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from conftest import TENANTS, make_runner, tenant_batches  # noqa: E402
+from vlamux.envs import EnvSpec  # noqa: E402
+from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, OptimizerSpec, Sample  # noqa: E402
+from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
+from vlamux.services.ray_runtime import RayRuntime, RayRuntimeConfig  # noqa: E402
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args=dict(num_cpus=0, resources={"head": 1},
+                                                          object_store_memory=200 * MiB, include_dashboard=False))
+    for node in ("node_a", "node_b"):
+        c.add_node(num_cpus=2, resources={node: 1}, object_store_memory=200 * MiB)
+    c.wait_for_nodes()
+    assert c.address.startswith("127.0.0.1:"), c.address
+    ray.init(address=c.address, log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def rt(cluster):
+    cfg = RayRuntimeConfig(
+        backbone=BackboneSpec(preset="tiny"), inference_replicas=2, torch_threads=2,
+        inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.01),
+        training={"num_cpus": 0.5, "resources": {"node_a": 0.01}},
+        inference={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
+        environment={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
+        health_interval_s=0.5, ping_timeout_s=5.0, hung_after_s=30.0, env_check_every_s=0.5)
+    runtime = RayRuntime(cfg).start()
+    for i, (name, (spec, _)) in enumerate(TENANTS.items()):
+        runtime.create_slot(name, spec, OptimizerSpec(lr=1e-3), seed=100 + i).result(120)
+    assert runtime.flush(60)
+    yield runtime
+    runtime.stop()
+
+
+def test_roles_are_placed_on_their_nodes(rt):
+    def node(h):
+        return ray.get(h.node_id.remote())
+
+    by_node = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
+    assert "node_a" in by_node[node(rt.training)]
+    assert all("node_b" in by_node[node(h)] for h in rt.replicas.values())
+
+
+def test_concurrent_requests_equal_serial_execution(rt, backbone):
+    serial = make_runner(backbone)
+    data = tenant_batches(batch=2, seed=3)
+    futures = {t: rt.forward_backward(t, obs, act) for t, (obs, act) in data.items()}
+    want = {r.tenant: r.unwrap()["loss"] for r in
+            serial.execute([ForwardBackward(t, o, a) for t, (o, a) in data.items()], grouped=False)}
+    for t, f in futures.items():
+        assert abs(f.result(120)["loss"] - want[t]) <= 1e-5, t
+    for t in TENANTS:
+        rt.optim_step(t).result(120)
+        serial.optim_step(t)
+    assert rt.flush(60)
+    time.sleep(0.5)
+    preds = {t: rt.predict(t, obs, deterministic=True) for t, (obs, _) in data.items()}
+    for t, f in preds.items():
+        out = f.result(120)
+        expected = serial.execute([Sample(t, data[t][0], True)])[0].unwrap()["actions"]
+        assert out["policy_version"] == serial.slot(t).version
+        assert (out["actions"] - expected).abs().max() <= 1e-4, t
+
+
+def test_data_plane_moves_by_reference(rt):
+    rt.create_slot("robot", HeadSpec("gaussian", action_dim=4, horizon=8, state_dim=8)).result(120)
+    assert rt.flush(60)
+    sid = ray.get(rt.env("open_session", "robot", EnvSpec(task="goal/touch-red-cube", image_size=32), 2, 0, 1))
+    obs_ref, _ = rt.environment.reset.remote("robot", sid, 0)
+    assert isinstance(obs_ref, ray.ObjectRef)
+    out = rt.predict("robot", obs_ref).result(120)  # the env actor's observations go straight to a replica
+    assert out["actions"].shape == (2, 8, 4) and out["policy_version"] == 0
+    obs_ref, rest_ref = rt.environment.step.remote("robot", sid, out["actions"].numpy())
+    reward, term, trunc, infos = ray.get(rest_ref)
+    assert reward.shape == (2,) and rt.predict("robot", obs_ref).result(120)["actions"].shape == (2, 8, 4)
+    ray.get(rt.env("close_session", "robot", sid))
+
+
+def test_killed_inference_replica_restarts_and_requests_keep_succeeding(rt):
+    obs, _ = tenant_batches(batch=1)["bolt"]
+    name = next(iter(rt.replicas))
+    ray.kill(rt.replicas[name], no_restart=False)
+    results = [rt.predict("bolt", obs, deterministic=True) for _ in range(10)]
+    assert all(f.result(120)["actions"].shape == (1, 6, 3) for f in results)
+    deadline = time.monotonic() + 60
+    while rt.health.roles[name].restarts < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rt.health.roles[name].restarts >= 1
+    version = ray.get(rt.replicas[name].policy_version.remote("bolt"))
+    assert version == rt.version("bolt")  # its tenants were restored
+
+
+def test_killed_training_role_restarts_with_its_tenants(rt, tmp_path):
+    obs, act = tenant_batches(batch=2)["cobalt"]
+    rt.forward_backward("cobalt", obs, act).result(120)
+    v = rt.optim_step("cobalt").result(120)["policy_version"]
+    time.sleep(0.5)
+    ray.kill(rt.training, no_restart=False)
+    deadline = time.monotonic() + 90
+    while rt.health.roles["training"].restarts < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rt.health.roles["training"].restarts >= 1
+    assert rt.version("cobalt") == v
+    assert rt.forward_backward("cobalt", obs, act).result(120)["loss"] > 0
+
+
+def test_elastic_add_and_remove(rt):
+    obs, _ = tenant_batches(batch=1)["delta"]
+    name = rt.add_inference_replica()
+    futures = [rt.predict("delta", obs) for _ in range(6)]
+    for old in [n for n in rt.replicas if n != name]:
+        rt.remove_inference_replica(old)
+    futures += [rt.predict("delta", obs) for _ in range(6)]
+    assert all(f.result(120)["actions"].shape == (1, 4, 5) for f in futures)
+    assert list(rt.replicas) == [name]
+
+
+def test_killed_environment_worker_is_replaced(rt):
+    spec = EnvSpec(task="goal/touch-red-cube", image_size=16)
+    sid = ray.get(rt.env("open_session", "acme", spec, 1, 0, 1))
+    ray.get(rt.env("reset", "acme", sid, 0))
+    pid = ray.get(rt.environment.worker_pids.remote("acme", sid))[0]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while rt.health.env_replacements < 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rt.health.env_replacements >= 1
+    assert ray.get(rt.environment.worker_pids.remote("acme", sid))[0] not in (pid, None)
+    ray.get(rt.env("reset", "acme", sid, 1))
+    ray.get(rt.env("step", "acme", sid, np.zeros((1, 4), np.float32)))
+    ray.get(rt.env("close_session", "acme", sid))

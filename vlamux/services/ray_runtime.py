@@ -1,0 +1,426 @@
+"""The distributed runtime: the same services as Ray actors, placed by per-role resources.
+
+Each service stays a plain class; a thin actor here holds one and exposes blocking methods (the
+actors are threaded, so concurrent requests still meet in one group). The data plane moves by
+ObjectRef: an observation returned by the Environment actor can be handed to `predict` as a ref and
+goes straight from one actor to the other, never through the driver or a relay. The control plane
+is the Training actor's publisher calling `stage_policy` on each replica.
+
+The driver keeps what a restart needs (each tenant's slot recipe, last checkpoint and newest
+published policy) and a Health Manager that pings every actor: a dead, hung or restarted actor is
+brought back (Ray restarts it; a hung one is killed first) and its tenants restored.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+
+from vlamux.errors import UnknownTenantError
+from vlamux.model import BackboneSpec, HeadSpec, Observation, OptimizerSpec, build_backbone
+from vlamux.model.slot import PolicySnapshot
+from vlamux.services.control import PolicyPublisher
+from vlamux.services.environment import EnvironmentService, obs_to_observation
+from vlamux.services.health import HealthManager, Role
+from vlamux.services.inference import InferenceModelService
+from vlamux.services.queues import InferenceQueueConfig
+from vlamux.services.training import TrainingModelService
+
+log = logging.getLogger(__name__)
+CALL_TIMEOUT_S = 120.0
+
+
+class _Actor:
+    def _init(self, torch_threads: int | None) -> None:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)  # Ray gives fractional actors one thread otherwise
+        self.incarnation = uuid.uuid4().hex
+
+    def ping(self) -> dict:
+        svc = self.svc
+        alive = svc.alive() if hasattr(svc, "alive") else True
+        beat = getattr(svc, "heartbeat", time.monotonic())
+        return {"incarnation": self.incarnation, "alive": alive, "heartbeat_age_s": time.monotonic() - beat}
+
+    def metrics(self) -> dict:
+        return self.svc.metrics()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+class InferenceActor(_Actor):
+    def __init__(self, backbone: BackboneSpec, queue: InferenceQueueConfig, name: str, device: str = "cpu",
+                 torch_threads: int | None = None):
+        self._init(torch_threads)
+        self.svc = InferenceModelService(build_backbone(backbone, device=device), queue, name).start()
+
+    def stage_policy(self, snap: PolicySnapshot) -> None:
+        self.svc.stage_policy(snap)
+
+    def predict(self, tenant: str, obs, deterministic: bool = False, deadline_s: float | None = None) -> dict:
+        if isinstance(obs, dict):  # an environment observation, as the Environment actor returns it
+            obs = obs_to_observation(obs)
+        return self.svc.predict(tenant, obs, deterministic, deadline_s).result(CALL_TIMEOUT_S)
+
+    def policy_version(self, tenant: str) -> int | None:
+        return self.svc.policy_version(tenant)
+
+    def queue_rows(self) -> int:
+        return self.svc.queue.depth()[1]
+
+
+class TrainingActor(_Actor):
+    def __init__(self, backbone: BackboneSpec, max_staleness: int | None, max_group_rows: int | None,
+                 device: str = "cpu", torch_threads: int | None = None):
+        self._init(torch_threads)
+        self.publisher = PolicyPublisher()
+        self.publisher.start()
+        self.svc = TrainingModelService(build_backbone(backbone, device=device), self.publisher, max_staleness,
+                                        max_group_rows).start()
+
+    def subscribe(self, name: str, replica) -> None:
+        self.publisher.subscribe(name, lambda snap: replica.stage_policy.remote(snap))
+
+    def unsubscribe(self, name: str) -> None:
+        self.publisher.unsubscribe(name)
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        return self.publisher.flush(timeout_s)
+
+    def create_slot(self, tenant, head_spec, optim=None, seed=0, stats=None):
+        return self.svc.create_slot(tenant, head_spec, optim, seed, stats).result(CALL_TIMEOUT_S)
+
+    def forward_backward(self, tenant, obs, actions, action_mask=None, policy_version=None, priority=0):
+        if isinstance(obs, dict):
+            obs = obs_to_observation(obs)
+        return self.svc.forward_backward(tenant, obs, actions, action_mask, policy_version,
+                                         priority).result(CALL_TIMEOUT_S)
+
+    def optim_step(self, tenant, priority=0):
+        return self.svc.optim_step(tenant, priority).result(CALL_TIMEOUT_S)
+
+    def save_state(self, tenant, path):
+        return self.svc.save_state(tenant, path).result(CALL_TIMEOUT_S)
+
+    def load_state(self, tenant, path):
+        return self.svc.load_state(tenant, path).result(CALL_TIMEOUT_S)
+
+    def version(self, tenant):
+        return self.svc.version(tenant)
+
+    def export_policy(self, tenant) -> PolicySnapshot:
+        return self.svc.runner.slot(tenant).export_policy()
+
+    def restore(self, tenant, head_spec, optim, seed, checkpoint=None, snapshot=None) -> int:
+        """Rebuild a tenant's slot after a restart: from its checkpoint, else its newest published policy."""
+        slot = self.svc.runner.slots.get(tenant) or self.svc.runner.create_slot(tenant, head_spec, optim, seed)
+        if checkpoint is not None:
+            slot.load_state(checkpoint)
+        elif snapshot is not None:
+            slot.apply_policy(snapshot)
+        return slot.version
+
+
+class EnvironmentActor(_Actor):
+    def __init__(self, torch_threads: int | None = None, **kwargs):
+        self._init(torch_threads)
+        self.svc = EnvironmentService(**kwargs)
+        self.svc.start_reaper()
+
+    @ray.method(num_returns=2)
+    def reset(self, tenant, session_id, seed=None, indices=None):
+        """(observations, infos) as two objects, so the observations can travel on by reference."""
+        return self.svc.reset(tenant, session_id, seed, indices)
+
+    @ray.method(num_returns=2)
+    def step(self, tenant, session_id, actions):
+        """(observations, (reward, terminated, truncated, infos)) as two objects."""
+        obs, *rest = self.svc.step(tenant, session_id, actions)
+        return obs, tuple(rest)
+
+    def call(self, method: str, *args, **kwargs):
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return getattr(self.svc, method)(*args, **kwargs)
+
+    def worker_pids(self, tenant: str, session_id: str) -> list:
+        return self.svc._lookup_session(tenant, session_id).vec.worker_pids()
+
+
+@dataclass
+class RayRuntimeConfig:
+    backbone: BackboneSpec = field(default_factory=BackboneSpec)
+    device: str = "cpu"
+    inference_replicas: int = 1
+    inference_queue: InferenceQueueConfig = field(default_factory=InferenceQueueConfig)
+    max_staleness: int | None = None
+    max_group_rows: int | None = None
+    torch_threads: int | None = None
+    # Ray options per role: num_cpus, num_gpus (fractions allowed), resources (e.g. {"node_a": 0.01})
+    training: dict = field(default_factory=lambda: {"num_cpus": 0.5})
+    inference: dict = field(default_factory=lambda: {"num_cpus": 0.5})
+    environment: dict = field(default_factory=lambda: {"num_cpus": 0.5})
+    environment_service: dict = field(default_factory=dict)  # EnvironmentService keyword arguments
+    health_interval_s: float = 1.0
+    env_check_every_s: float = 5.0
+    ping_timeout_s: float = 5.0
+    hung_after_s: float = 30.0
+
+
+@dataclass
+class _Recipe:
+    head_spec: HeadSpec
+    optim: OptimizerSpec | None
+    seed: int
+
+
+class RayRuntime:
+    """The services as Ray actors. Call `ray.init(...)` (or connect to a cluster) first."""
+
+    def __init__(self, config: RayRuntimeConfig | None = None):
+        if not ray.is_initialized():
+            raise RuntimeError("RayRuntime needs a Ray connection: call ray.init(address=...) first")
+        self.config = config or RayRuntimeConfig()
+        self._names = itertools.count()
+        self._lock = threading.RLock()
+        self.replicas: dict[str, ray.actor.ActorHandle] = {}
+        self._incarnations: dict[str, str] = {}
+        self._recipes: dict[str, _Recipe] = {}
+        self._checkpoints: dict[str, str] = {}
+        self.latest: dict[str, PolicySnapshot] = {}
+        self.health = HealthManager(self.config.health_interval_s, self.config.hung_after_s,
+                                    env_check=self._check_env_workers, env_check_every_s=self.config.env_check_every_s)
+        # Future callbacks run on Ray's own threads, which must never block on ray.get: follow-up work
+        # (re-routing, keeping the newest policy) goes to this driver thread instead.
+        self._followups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vlamux-ray-driver")
+        self.training = None
+        self.environment = None
+        self._stopping = False
+
+    def _actor(self, cls, role_options: dict):
+        return ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=64)(cls).options(**role_options)
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> RayRuntime:
+        c = self.config
+        self.training = self._actor(TrainingActor, c.training).remote(
+            c.backbone, c.max_staleness, c.max_group_rows, c.device, c.torch_threads)
+        self.environment = self._actor(EnvironmentActor, c.environment).remote(c.torch_threads,
+                                                                               **c.environment_service)
+        self._incarnations["training"] = self._ping(self.training)["incarnation"]
+        self._incarnations["environment"] = self._ping(self.environment)["incarnation"]
+        self.health.watch(self._role("training", lambda: self.training, self._restore_training))
+        self.health.watch(self._role("environment", lambda: self.environment, lambda: None))
+        for _ in range(c.inference_replicas):
+            self.add_inference_replica()
+        self.health.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping = True
+        self.health.stop()
+        self._followups.shutdown(wait=False, cancel_futures=True)
+        for handle in [self.training, self.environment, *self.replicas.values()]:
+            if handle is not None:
+                ray.kill(handle, no_restart=True)
+        self.replicas.clear()
+
+    def __enter__(self) -> RayRuntime:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _ping(self, handle, timeout_s: float | None = None) -> dict:
+        return ray.get(handle.ping.remote(), timeout=timeout_s or max(self.config.ping_timeout_s, 60.0))
+
+    def _role(self, name: str, handle_of, restore) -> Role:
+        """A health role for an actor: alive = answers a ping; a new incarnation (Ray restarted it)
+        or a restart we forced is followed by `restore`."""
+        state = {"beat": time.monotonic()}
+
+        def alive() -> bool:
+            try:
+                info = self._ping(handle_of(), self.config.ping_timeout_s)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+                return False
+            if info["incarnation"] != self._incarnations.get(name):
+                return False  # Ray brought it back on its own: it must be restored
+            state["beat"] = time.monotonic() - info["heartbeat_age_s"]
+            return info["alive"]
+
+        def restart() -> None:
+            handle = handle_of()
+            try:
+                info = self._ping(handle, self.config.ping_timeout_s)
+                fresh = info["incarnation"] != self._incarnations.get(name)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+                fresh = False
+            if not fresh:  # hung or broken: have Ray restart it
+                ray.kill(handle, no_restart=False)
+            info = self._wait_up(handle)
+            self._incarnations[name] = info["incarnation"]
+            restore()
+            state["beat"] = time.monotonic()
+
+        return Role(name, alive, lambda: state["beat"], restart)
+
+    def _wait_up(self, handle, timeout_s: float = 120.0) -> dict:
+        end = time.monotonic() + timeout_s
+        while True:
+            try:
+                return self._ping(handle, 5.0)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.2)
+
+    # ---- training ---------------------------------------------------------------------------------
+    def create_slot(self, tenant: str, head_spec: HeadSpec, optim: OptimizerSpec | None = None, seed: int = 0,
+                    stats: dict | None = None) -> Future:
+        with self._lock:
+            self._recipes[tenant] = _Recipe(head_spec, optim, seed)
+        return self._remember_after(tenant, self.training.create_slot.remote(tenant, head_spec, optim, seed, stats))
+
+    def forward_backward(self, tenant: str, obs, actions, action_mask=None, policy_version=None,
+                         priority: int = 0) -> Future:
+        return self.training.forward_backward.remote(tenant, obs, actions, action_mask, policy_version,
+                                                     priority).future()
+
+    def optim_step(self, tenant: str, priority: int = 0) -> Future:
+        return self._remember_after(tenant, self.training.optim_step.remote(tenant, priority))
+
+    def save_state(self, tenant: str, path: str | Path) -> Future:
+        fut = self.training.save_state.remote(tenant, str(path)).future()
+        fut.add_done_callback(lambda f: f.exception() is None and self._checkpoints.__setitem__(tenant, str(path)))
+        return fut
+
+    def version(self, tenant: str) -> int:
+        return ray.get(self.training.version.remote(tenant), timeout=CALL_TIMEOUT_S)
+
+    def _remember_after(self, tenant: str, ref) -> Future:
+        """After a version-changing call, keep the tenant's newest policy on the driver (restarts need it)."""
+        fut = ref.future()
+
+        def keep(f: Future) -> None:
+            if f.exception() is None:
+                self._followups.submit(fetch)
+
+        def fetch() -> None:
+            try:
+                snap = ray.get(self.training.export_policy.remote(tenant), timeout=CALL_TIMEOUT_S)
+                old = self.latest.get(tenant)
+                if old is None or old.version <= snap.version:
+                    self.latest[tenant] = snap
+            except Exception:  # noqa: BLE001 - the next version will be kept
+                if not self._stopping:
+                    log.exception("keeping tenant %r's policy failed", tenant)
+
+        fut.add_done_callback(keep)
+        return fut
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every published policy version reached every replica."""
+        return ray.get(self.training.flush.remote(timeout_s), timeout=timeout_s + 10)
+
+    def _restore_training(self) -> None:
+        with self._lock:
+            recipes, checkpoints = dict(self._recipes), dict(self._checkpoints)
+        refs = [self.training.restore.remote(t, r.head_spec, r.optim, r.seed, checkpoints.get(t), self.latest.get(t))
+                for t, r in recipes.items()]
+        ray.get(refs, timeout=CALL_TIMEOUT_S)
+        for name, handle in list(self.replicas.items()):
+            self.training.subscribe.remote(name, handle)
+
+    # ---- inference --------------------------------------------------------------------------------
+    def add_inference_replica(self) -> str:
+        c = self.config
+        name = f"inference-{next(self._names)}"
+        handle = self._actor(InferenceActor, c.inference).remote(c.backbone, c.inference_queue, name, c.device,
+                                                                  c.torch_threads)
+        self._incarnations[name] = self._ping(handle)["incarnation"]
+        with self._lock:
+            self.replicas[name] = handle
+        self._restore_replica(name)
+        self.health.watch(self._role(name, lambda: self.replicas[name], lambda: self._restore_replica(name)))
+        return name
+
+    def _restore_replica(self, name: str) -> None:
+        handle = self.replicas[name]
+        ray.get([handle.stage_policy.remote(s) for s in list(self.latest.values())], timeout=CALL_TIMEOUT_S)
+        ray.get(self.training.subscribe.remote(name, handle), timeout=CALL_TIMEOUT_S)
+
+    def remove_inference_replica(self, name: str) -> None:
+        with self._lock:
+            if len(self.replicas) <= 1:
+                raise ValueError("cannot remove the last inference replica")
+            handle = self.replicas.pop(name)
+        self.health.unwatch(name)
+        ray.get(self.training.unsubscribe.remote(name), timeout=CALL_TIMEOUT_S)
+        # in-flight calls finish (the actor drains), then it goes; new calls go elsewhere
+        threading.Thread(target=self._retire, args=(handle,), daemon=True).start()
+
+    @staticmethod
+    def _retire(handle, grace_s: float = 30.0) -> None:
+        end = time.monotonic() + grace_s
+        while time.monotonic() < end:
+            try:
+                if ray.get(handle.queue_rows.remote(), timeout=5) == 0:
+                    break
+            except Exception:  # noqa: BLE001
+                break
+            time.sleep(0.2)
+        time.sleep(0.5)
+        ray.kill(handle, no_restart=True)
+
+    def predict(self, tenant: str, obs: Observation | dict | ray.ObjectRef, deterministic: bool = False,
+                deadline_s: float | None = None, tries: int = 3) -> Future:
+        """A future of {"actions", "policy_version"}; `obs` may be an ObjectRef (it travels by reference)."""
+        out: Future = Future()
+        self._route(out, tenant, obs, deterministic, deadline_s, tries)
+        return out
+
+    def _route(self, out: Future, tenant, obs, deterministic, deadline_s, tries: int) -> None:
+        with self._lock:
+            names = list(self.replicas)
+        if not names:
+            out.set_exception(RuntimeError("no inference replica"))
+            return
+        name = names[hash((tenant, time.monotonic_ns())) % len(names)]
+        inner = self.replicas[name].predict.remote(tenant, obs, deterministic, deadline_s).future()
+
+        def done(f: Future) -> None:
+            e = f.exception()
+            if isinstance(e, ray.exceptions.RayActorError) and tries > 1:  # replica went away: another one
+                self._followups.submit(self._route, out, tenant, obs, deterministic, deadline_s, tries - 1)
+            elif isinstance(e, UnknownTenantError) and tries > 1 and tenant in self.latest:
+                # a restarted replica still being restored
+                self._followups.submit(self._reroute_later, out, tenant, obs, deterministic, deadline_s, tries - 1)
+            elif e is not None:
+                out.set_exception(e)
+            else:
+                out.set_result(f.result())
+
+        inner.add_done_callback(done)
+
+    def _reroute_later(self, *args) -> None:
+        time.sleep(0.2)
+        self._route(*args)
+
+    # ---- environment ------------------------------------------------------------------------------
+    def _check_env_workers(self) -> dict:
+        return ray.get(self.environment.call.remote("check_workers"), timeout=CALL_TIMEOUT_S)
+
+    def env(self, method: str, *args, **kwargs) -> ray.ObjectRef:
+        """Call an Environment Service method; the result stays in the object store (an ObjectRef)."""
+        return self.environment.call.remote(method, *args, **kwargs)
