@@ -44,9 +44,9 @@ def rt(cluster):
     cfg = RayRuntimeConfig(
         backbone=BackboneSpec(preset="tiny"), inference_replicas=2, torch_threads=2,
         inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.01),
-        training={"num_cpus": 0.5, "resources": {"node_a": 0.01}},
-        inference={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
-        environment={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
+        training_actor={"num_cpus": 0.5, "resources": {"node_a": 0.01}},
+        inference_actor={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
+        environment_actor={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
         health_interval_s=0.5, ping_timeout_s=5.0, hung_after_s=30.0, env_check_every_s=0.5)
     runtime = RayRuntime(cfg).start()
     for i, (name, (spec, _)) in enumerate(TENANTS.items()):

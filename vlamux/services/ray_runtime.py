@@ -33,6 +33,7 @@ from vlamux.services.environment import EnvironmentService, obs_to_observation
 from vlamux.services.health import HealthManager, Role
 from vlamux.services.inference import InferenceModelService
 from vlamux.services.queues import InferenceQueueConfig
+from vlamux.services.runtime import RuntimeConfig, _Recipe
 from vlamux.services.training import TrainingModelService
 
 log = logging.getLogger(__name__)
@@ -158,30 +159,15 @@ class EnvironmentActor(_Actor):
 
 
 @dataclass
-class RayRuntimeConfig:
-    backbone: BackboneSpec = field(default_factory=BackboneSpec)
-    device: str = "cpu"
-    inference_replicas: int = 1
-    inference_queue: InferenceQueueConfig = field(default_factory=InferenceQueueConfig)
-    max_staleness: int | None = None
-    max_group_rows: int | None = None
-    torch_threads: int | None = None
-    # Ray options per role: num_cpus, num_gpus (fractions allowed), resources (e.g. {"node_a": 0.01})
-    training: dict = field(default_factory=lambda: {"num_cpus": 0.5})
-    inference: dict = field(default_factory=lambda: {"num_cpus": 0.5})
-    environment: dict = field(default_factory=lambda: {"num_cpus": 0.5})
-    environment_service: dict = field(default_factory=dict)  # EnvironmentService keyword arguments
-    health_interval_s: float = 1.0
-    env_check_every_s: float = 5.0
+class RayRuntimeConfig(RuntimeConfig):
+    """RuntimeConfig plus where each role runs. Ray options per role: num_cpus, num_gpus (fractions
+    allowed), resources (e.g. {"node_a": 0.01} pins a role to the node that has that resource)."""
+
+    training_actor: dict = field(default_factory=lambda: {"num_cpus": 0.5})
+    inference_actor: dict = field(default_factory=lambda: {"num_cpus": 0.5})
+    environment_actor: dict = field(default_factory=lambda: {"num_cpus": 0.5})
+    torch_threads: int | None = None  # Ray gives fractional actors a single torch thread otherwise
     ping_timeout_s: float = 5.0
-    hung_after_s: float = 30.0
-
-
-@dataclass
-class _Recipe:
-    head_spec: HeadSpec
-    optim: OptimizerSpec | None
-    seed: int
 
 
 class RayRuntime:
@@ -213,10 +199,9 @@ class RayRuntime:
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> RayRuntime:
         c = self.config
-        self.training = self._actor(TrainingActor, c.training).remote(
+        self.training = self._actor(TrainingActor, c.training_actor).remote(
             c.backbone, c.max_staleness, c.max_group_rows, c.device, c.torch_threads)
-        self.environment = self._actor(EnvironmentActor, c.environment).remote(c.torch_threads,
-                                                                               **c.environment_service)
+        self.environment = self._actor(EnvironmentActor, c.environment_actor).remote(c.torch_threads, **c.environment)
         self._incarnations["training"] = self._ping(self.training)["incarnation"]
         self._incarnations["environment"] = self._ping(self.environment)["incarnation"]
         self.health.watch(self._role("training", lambda: self.training, self._restore_training))
@@ -346,7 +331,7 @@ class RayRuntime:
     def add_inference_replica(self) -> str:
         c = self.config
         name = f"inference-{next(self._names)}"
-        handle = self._actor(InferenceActor, c.inference).remote(c.backbone, c.inference_queue, name, c.device,
+        handle = self._actor(InferenceActor, c.inference_actor).remote(c.backbone, c.inference_queue, name, c.device,
                                                                   c.torch_threads)
         self._incarnations[name] = self._ping(handle)["incarnation"]
         with self._lock:
