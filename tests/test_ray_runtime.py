@@ -2,6 +2,7 @@
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -153,3 +154,28 @@ def test_killed_environment_worker_is_replaced(rt):
     ray.get(rt.env("reset", "acme", sid, 1))
     ray.get(rt.env("step", "acme", sid, np.zeros((1, 4), np.float32)))
     ray.get(rt.env("close_session", "acme", sid))
+
+
+def test_versions_switch_atomically_across_the_cluster(rt):
+    obs, act = tenant_batches(batch=1)["acme"]
+    seen, stop = [], threading.Event()
+
+    def client():
+        while not stop.is_set():
+            seen.append(rt.predict("acme", obs, deterministic=True).result(120))
+
+    th = threading.Thread(target=client)
+    th.start()
+    for _ in range(3):
+        rt.forward_backward("acme", obs, act).result(120)
+        rt.optim_step("acme").result(120)
+    rt.flush(60)
+    time.sleep(0.5)
+    stop.set()
+    th.join()
+    by_version = {}
+    for s in seen:  # one version, one policy, whichever replica served it
+        ref = by_version.setdefault(s["policy_version"], s["actions"])
+        assert (ref - s["actions"]).abs().max() <= 1e-5
+    assert max(by_version) == rt.version("acme") and len(by_version) >= 2
+

@@ -298,7 +298,7 @@ class RayRuntime:
         fut = ref.future()
 
         def keep(f: Future) -> None:
-            if f.exception() is None:
+            if f.exception() is None and not self._stopping:
                 self._followups.submit(fetch)
 
         def fetch() -> None:
@@ -387,16 +387,23 @@ class RayRuntime:
         def done(f: Future) -> None:
             e = f.exception()
             if isinstance(e, ray.exceptions.RayActorError) and tries > 1:  # replica went away: another one
-                self._followups.submit(self._route, out, tenant, obs, deterministic, deadline_s, tries - 1)
+                self._followup(out, self._route, out, tenant, obs, deterministic, deadline_s, tries - 1)
             elif isinstance(e, UnknownTenantError) and tries > 1 and tenant in self.latest:
                 # a restarted replica still being restored
-                self._followups.submit(self._reroute_later, out, tenant, obs, deterministic, deadline_s, tries - 1)
+                self._followup(out, self._reroute_later, out, tenant, obs, deterministic, deadline_s, tries - 1)
             elif e is not None:
                 out.set_exception(e)
             else:
                 out.set_result(f.result())
 
         inner.add_done_callback(done)
+
+    def _followup(self, out: Future, fn, *args) -> None:
+        try:
+            self._followups.submit(fn, *args)
+        except RuntimeError as e:  # the runtime is stopping
+            if not out.done():
+                out.set_exception(e)
 
     def _reroute_later(self, *args) -> None:
         time.sleep(0.2)
