@@ -44,3 +44,24 @@ def same_bytes(a: dict, b: dict) -> bool:
         a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
         for k in a
     )
+
+
+def chunks_while_training(predict, train_step, steps: int, settle) -> list[dict]:
+    """Action chunks requested in a loop from another thread while `train_step` runs `steps` times;
+    `settle()` waits for the last version to reach the replicas."""
+    import threading
+
+    seen, stop = [], threading.Event()
+
+    def client():
+        while not stop.is_set():
+            seen.append(predict())
+
+    th = threading.Thread(target=client)
+    th.start()
+    for _ in range(steps):
+        train_step()
+    settle()
+    stop.set()
+    th.join()
+    return seen

@@ -2,7 +2,6 @@
 
 import os
 import signal
-import threading
 import time
 
 import numpy as np
@@ -17,7 +16,7 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from conftest import TENANTS, make_runner, tenant_batches  # noqa: E402
+from conftest import TENANTS, chunks_while_training, make_runner, tenant_batches  # noqa: E402
 from vlamux.envs import EnvSpec  # noqa: E402
 from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, OptimizerSpec, Sample  # noqa: E402
 from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
@@ -158,21 +157,13 @@ def test_killed_environment_worker_is_replaced(rt):
 
 def test_versions_switch_atomically_across_the_cluster(rt):
     obs, act = tenant_batches(batch=1)["acme"]
-    seen, stop = [], threading.Event()
 
-    def client():
-        while not stop.is_set():
-            seen.append(rt.predict("acme", obs, deterministic=True).result(120))
-
-    th = threading.Thread(target=client)
-    th.start()
-    for _ in range(3):
+    def step():
         rt.forward_backward("acme", obs, act).result(120)
         rt.optim_step("acme").result(120)
-    rt.flush(60)
-    time.sleep(0.5)
-    stop.set()
-    th.join()
+
+    seen = chunks_while_training(lambda: rt.predict("acme", obs, deterministic=True).result(120), step, 3,
+                                 lambda: rt.flush(60) and time.sleep(0.5))
     by_version = {}
     for s in seen:  # one version, one policy, whichever replica served it
         ref = by_version.setdefault(s["policy_version"], s["actions"])

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from conftest import TENANTS, make_runner, tenant_batches
+from conftest import TENANTS, chunks_while_training, make_runner, tenant_batches
 from vlamux.errors import UnknownTenantError
 from vlamux.model import ForwardBackward, OptimizerSpec, Sample, Slot
 from vlamux.services.control import PolicyPublisher
@@ -79,20 +79,13 @@ def test_inference_serves_the_published_version(services, backbone):
 def test_version_switch_is_atomic_between_groups(services):
     train, infer, pub = services
     obs, act = tenant_batches(batch=1)["acme"]
-    stop, seen = threading.Event(), []
 
-    def client():
-        while not stop.is_set():
-            seen.append(infer.predict("acme", obs, deterministic=True).result(30))
-
-    th = threading.Thread(target=client)
-    th.start()
-    for _ in range(4):
+    def step():
         train.forward_backward("acme", obs, act).result(30)
         train.optim_step("acme").result(30)
-    pub.flush(10)
-    stop.set()
-    th.join()
+
+    seen = chunks_while_training(lambda: infer.predict("acme", obs, deterministic=True).result(30), step, 4,
+                                 lambda: pub.flush(10))
     versions = [s["policy_version"] for s in seen]
     assert versions == sorted(versions)  # never goes back
     by_version = {}
