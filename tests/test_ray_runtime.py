@@ -2,6 +2,7 @@
 
 import os
 import signal
+import threading
 import time
 
 import numpy as np
@@ -119,11 +120,26 @@ def test_killed_training_role_restarts_with_its_tenants(rt, tmp_path):
     rt.forward_backward("cobalt", obs, act).result(120)
     v = rt.optim_step("cobalt").result(120)["policy_version"]
     time.sleep(0.5)
+    other, _ = tenant_batches(batch=1)["delta"]
+    served, errors, stop = [], [], threading.Event()
+
+    def other_tenant():  # another tenant keeps acting while the training role is down
+        while not stop.is_set():
+            try:
+                served.append(rt.predict("delta", other).result(120))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+
+    th = threading.Thread(target=other_tenant)
+    th.start()
     ray.kill(rt.training, no_restart=False)
     deadline = time.monotonic() + 90
     while rt.health.roles["training"].restarts < 1 and time.monotonic() < deadline:
         time.sleep(0.2)
+    stop.set()
+    th.join()
     assert rt.health.roles["training"].restarts >= 1
+    assert errors == [] and len(served) > 0
     assert rt.version("cobalt") == v
     assert rt.forward_backward("cobalt", obs, act).result(120)["loss"] > 0
 
