@@ -186,3 +186,53 @@ def test_versions_switch_atomically_across_the_cluster(rt):
         assert (ref - s["actions"]).abs().max() <= 1e-5
     assert max(by_version) == rt.version("acme") and len(by_version) >= 2
 
+
+
+def test_a_flooding_tenant_at_most_doubles_a_light_tenants_median_latency(cluster):
+    """As on the embedded runtime: a tenant keeping 20 groups' worth of requests in flight at most doubles
+    a light tenant's median latency (FIFO would make it wait ~20 groups)."""
+    cfg = RayRuntimeConfig(backbone=BackboneSpec(preset="tiny"), inference_replicas=1, torch_threads=2,
+                           inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.1),
+                           training_actor={"num_cpus": 0.5, "resources": {"node_a": 0.01}},
+                           inference_actor={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
+                           environment_actor={"num_cpus": 0.5, "resources": {"node_a": 0.01}})
+    runtime = RayRuntime(cfg).start()
+    try:
+        for t in ("bolt", "delta"):
+            runtime.create_slot(t, TENANTS[t][0]).result(120)
+        assert runtime.flush(60)
+        time.sleep(0.5)
+        data = tenant_batches(batch=1)
+
+        def light_median(n=11):
+            lat = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                runtime.predict("bolt", data["bolt"][0], deterministic=True).result(120)
+                lat.append(time.perf_counter() - t0)
+            return sorted(lat)[n // 2]
+
+        light_median(3)
+        alone = light_median()
+        stop = threading.Event()
+
+        def flood():
+            pending = []
+            while not stop.is_set():
+                pending = [f for f in pending if not f.done()]
+                while len(pending) < 160:
+                    pending.append(runtime.predict("delta", data["delta"][0]))
+                time.sleep(0.005)
+
+        th = threading.Thread(target=flood)
+        th.start()
+        time.sleep(0.5)
+        try:
+            flooded = light_median()
+        finally:
+            stop.set()
+            th.join()
+    finally:
+        runtime.stop()
+    print(f"light tenant median latency over Ray: alone {alone * 1e3:.1f} ms, flooded {flooded * 1e3:.1f} ms")
+    assert flooded <= 2 * alone, (flooded, alone)

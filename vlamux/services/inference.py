@@ -63,8 +63,12 @@ class InferenceModelService(EngineLoop):
                     slot.apply_policy(snap)
 
     def policy_version(self, tenant: str) -> int | None:
-        slot = self.runner.slots.get(tenant)
-        return None if slot is None else slot.version
+        """The version the tenant's next group will be served with (a staged one counts)."""
+        with self._staged_lock:
+            staged = self._staged.get(tenant)
+            slot = self.runner.slots.get(tenant)
+            versions = [v for v in (staged and staged.version, slot and slot.version) if v is not None]
+        return max(versions) if versions else None
 
     def serves(self, tenant: str) -> bool:
         with self._staged_lock:

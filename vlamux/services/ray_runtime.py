@@ -13,6 +13,7 @@ brought back (Ray restarts it; a hung one is killed first) and its tenants resto
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
@@ -68,10 +69,14 @@ class InferenceActor(_Actor):
     def stage_policy(self, snap: PolicySnapshot) -> None:
         self.svc.stage_policy(snap)
 
-    def predict(self, tenant: str, obs, deterministic: bool = False, deadline_s: float | None = None) -> dict:
+    async def predict(self, tenant: str, obs, deterministic: bool = False, deadline_s: float | None = None) -> dict:
+        """Async, so every request enters the Inference Queue at once: its fair scheduler, not Ray's
+        first-come mailbox, decides the order (a blocking method would leave requests queued in Ray
+        behind whichever tenant sent the most)."""
         if isinstance(obs, dict):  # an environment observation, as the Environment actor returns it
             obs = obs_to_observation(obs)
-        return self.svc.predict(tenant, obs, deterministic, deadline_s).result(CALL_TIMEOUT_S)
+        return await asyncio.wait_for(asyncio.wrap_future(self.svc.predict(tenant, obs, deterministic, deadline_s)),
+                                      CALL_TIMEOUT_S)
 
     def policy_version(self, tenant: str) -> int | None:
         return self.svc.policy_version(tenant)
@@ -180,6 +185,7 @@ class RayRuntime:
         self._names = itertools.count()
         self._lock = threading.RLock()
         self.replicas: dict[str, ray.actor.ActorHandle] = {}
+        self._outstanding: dict[str, int] = {}  # requests sent to each replica, not yet answered
         self._incarnations: dict[str, str] = {}
         self._recipes: dict[str, _Recipe] = {}
         self._checkpoints: dict[str, str] = {}
@@ -193,8 +199,9 @@ class RayRuntime:
         self.environment = None
         self._stopping = False
 
-    def _actor(self, cls, role_options: dict):
-        return ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=64)(cls).options(**role_options)
+    def _actor(self, cls, role_options: dict, max_concurrency: int = 64):
+        return ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=max_concurrency)(cls).options(
+            **role_options)
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> RayRuntime:
@@ -331,7 +338,7 @@ class RayRuntime:
     def add_inference_replica(self) -> str:
         c = self.config
         name = f"inference-{next(self._names)}"
-        handle = self._actor(InferenceActor, c.inference_actor).remote(c.backbone, c.inference_queue, name, c.device,
+        handle = self._actor(InferenceActor, c.inference_actor, max_concurrency=4096).remote(c.backbone, c.inference_queue, name, c.device,
                                                                   c.torch_threads)
         self._incarnations[name] = self._ping(handle)["incarnation"]
         with self._lock:
@@ -375,19 +382,25 @@ class RayRuntime:
         self._route(out, tenant, obs, deterministic, deadline_s, tries)
         return out
 
-    def _route(self, out: Future, tenant, obs, deterministic, deadline_s, tries: int) -> None:
+    def _route(self, out: Future, tenant, obs, deterministic, deadline_s, tries: int,
+               avoid: frozenset = frozenset()) -> None:
         with self._lock:
-            names = list(self.replicas)
+            names = [n for n in self.replicas if n not in avoid] or list(self.replicas)
         if not names:
             out.set_exception(RuntimeError("no inference replica"))
             return
-        name = names[hash((tenant, time.monotonic_ns())) % len(names)]
+        with self._lock:  # the replica with the fewest requests outstanding from this driver
+            name = min(names, key=lambda n: self._outstanding.get(n, 0))
+            self._outstanding[name] = self._outstanding.get(name, 0) + 1
         inner = self.replicas[name].predict.remote(tenant, obs, deterministic, deadline_s).future()
 
         def done(f: Future) -> None:
+            with self._lock:
+                self._outstanding[name] -= 1
             e = f.exception()
             if isinstance(e, ray.exceptions.RayActorError) and tries > 1:  # replica went away: another one
-                self._followup(out, self._route, out, tenant, obs, deterministic, deadline_s, tries - 1)
+                self._followup(out, self._route, out, tenant, obs, deterministic, deadline_s, tries - 1,
+                               avoid | {name})
             elif isinstance(e, UnknownTenantError) and tries > 1 and tenant in self.latest:
                 # a restarted replica still being restored
                 self._followup(out, self._reroute_later, out, tenant, obs, deterministic, deadline_s, tries - 1)
