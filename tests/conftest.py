@@ -65,3 +65,42 @@ def chunks_while_training(predict, train_step, steps: int, settle) -> list[dict]
     stop.set()
     th.join()
     return seen
+
+
+def light_latency_alone_and_flooded(predict_light, submit_flood, in_flight: int = 160, n: int = 11):
+    """Median latency of a light tenant's sequential requests, alone and while a flooding tenant keeps
+    `in_flight` requests outstanding. predict_light() blocks for one request; submit_flood() returns a future."""
+    import threading
+    import time
+
+    def median():
+        lat = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            predict_light()
+            lat.append(time.perf_counter() - t0)
+        return sorted(lat)[n // 2]
+
+    for _ in range(3):  # warm-up
+        predict_light()
+    alone = median()
+    stop = threading.Event()
+
+    def flood():
+        pending = []
+        while not stop.is_set():
+            pending = [f for f in pending if not f.done()]
+            while len(pending) < in_flight:
+                pending.append(submit_flood())
+            time.sleep(0.002)
+
+    th = threading.Thread(target=flood)
+    th.start()
+    time.sleep(0.3)
+    try:
+        flooded = median()
+    finally:
+        stop.set()
+        th.join()
+    print(f"light tenant median latency: alone {alone * 1e3:.1f} ms, next to a flooding tenant {flooded * 1e3:.1f} ms")
+    return alone, flooded

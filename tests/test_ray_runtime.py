@@ -17,7 +17,8 @@ ray = pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from conftest import TENANTS, chunks_while_training, make_runner, tenant_batches  # noqa: E402
+from conftest import (TENANTS, chunks_while_training, light_latency_alone_and_flooded, make_runner,  # noqa: E402
+                      tenant_batches)
 from vlamux.envs import EnvSpec  # noqa: E402
 from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, OptimizerSpec, Sample  # noqa: E402
 from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
@@ -204,35 +205,9 @@ def test_a_flooding_tenant_at_most_doubles_a_light_tenants_median_latency(cluste
         time.sleep(0.5)
         data = tenant_batches(batch=1)
 
-        def light_median(n=11):
-            lat = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                runtime.predict("bolt", data["bolt"][0], deterministic=True).result(120)
-                lat.append(time.perf_counter() - t0)
-            return sorted(lat)[n // 2]
-
-        light_median(3)
-        alone = light_median()
-        stop = threading.Event()
-
-        def flood():
-            pending = []
-            while not stop.is_set():
-                pending = [f for f in pending if not f.done()]
-                while len(pending) < 160:
-                    pending.append(runtime.predict("delta", data["delta"][0]))
-                time.sleep(0.005)
-
-        th = threading.Thread(target=flood)
-        th.start()
-        time.sleep(0.5)
-        try:
-            flooded = light_median()
-        finally:
-            stop.set()
-            th.join()
+        alone, flooded = light_latency_alone_and_flooded(
+            lambda: runtime.predict("bolt", data["bolt"][0], deterministic=True).result(120),
+            lambda: runtime.predict("delta", data["delta"][0]))
     finally:
         runtime.stop()
-    print(f"light tenant median latency over Ray: alone {alone * 1e3:.1f} ms, flooded {flooded * 1e3:.1f} ms")
     assert flooded <= 2 * alone, (flooded, alone)

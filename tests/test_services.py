@@ -1,12 +1,11 @@
 """Training and Inference Model Services on the embedded runtime: concurrency, grouping, versions."""
 
 import threading
-import time
 
 import pytest
 import torch
 
-from conftest import TENANTS, chunks_while_training, make_runner, tenant_batches
+from conftest import TENANTS, chunks_while_training, light_latency_alone_and_flooded, make_runner, tenant_batches
 from vlamux.errors import UnknownTenantError
 from vlamux.model import ForwardBackward, OptimizerSpec, Sample, Slot
 from vlamux.services.control import PolicyPublisher
@@ -141,36 +140,10 @@ def test_a_flooding_tenant_at_most_doubles_a_light_tenants_median_wait(backbone)
     for i, (t, (spec, _)) in enumerate(TENANTS.items()):
         svc.stage_policy(Slot(t, spec, backbone.meta, seed=i).export_policy())
 
-    def light_median(n=15):
-        lat = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            svc.predict("acme", data["acme"][0], deterministic=True).result(30)
-            lat.append(time.perf_counter() - t0)
-        return sorted(lat)[n // 2]
-
     try:
-        light_median(3)  # warm-up
-        alone = light_median()
-        stop = threading.Event()
-
-        def flood():
-            pending = []
-            while not stop.is_set():
-                pending = [f for f in pending if not f.done()]
-                while len(pending) < 160:  # 20 groups of 8 rows
-                    pending.append(svc.predict("delta", data["delta"][0]))
-                time.sleep(0.002)
-
-        th = threading.Thread(target=flood)
-        th.start()
-        time.sleep(0.2)
-        try:
-            flooded = light_median()
-        finally:
-            stop.set()
-            th.join()
+        alone, flooded = light_latency_alone_and_flooded(
+            lambda: svc.predict("acme", data["acme"][0], deterministic=True).result(30),
+            lambda: svc.predict("delta", data["delta"][0]))
     finally:
         svc.stop()
-    print(f"light tenant median latency: alone {alone * 1e3:.1f} ms, with a flooding tenant {flooded * 1e3:.1f} ms")
     assert flooded <= 2 * alone, (flooded, alone)
