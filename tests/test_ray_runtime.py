@@ -211,3 +211,27 @@ def test_a_flooding_tenant_at_most_doubles_a_light_tenants_median_latency(cluste
     finally:
         runtime.stop()
     assert flooded <= 2 * alone, (flooded, alone)
+
+
+def test_hung_inference_replica_is_replaced(cluster):
+    cfg = RayRuntimeConfig(backbone=BackboneSpec(preset="tiny"), inference_replicas=2, torch_threads=2,
+                           inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.01),
+                           training_actor={"num_cpus": 0.5, "resources": {"node_a": 0.01}},
+                           inference_actor={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
+                           environment_actor={"num_cpus": 0.5, "resources": {"node_a": 0.01}},
+                           health_interval_s=0.3, hung_after_s=2.0)
+    runtime = RayRuntime(cfg).start()
+    try:
+        runtime.create_slot("acme", TENANTS["acme"][0]).result(120)
+        assert runtime.flush(60)
+        obs, _ = tenant_batches(batch=1)["acme"]
+        victim = next(iter(runtime.replicas))
+        ray.get(runtime.replicas[victim].debug_hang.remote(600))
+        deadline = time.monotonic() + 60
+        while runtime.health.roles[victim].restarts < 1 and time.monotonic() < deadline:
+            assert runtime.predict("acme", obs).result(120)["actions"].shape == (1, 8, 4)
+        assert runtime.health.roles[victim].restarts >= 1
+        results = [runtime.predict("acme", obs) for _ in range(6)]
+        assert all(f.result(120)["policy_version"] == 0 for f in results)
+    finally:
+        runtime.stop()

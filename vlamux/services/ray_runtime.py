@@ -81,6 +81,10 @@ class InferenceActor(_Actor):
     def policy_version(self, tenant: str) -> int | None:
         return self.svc.policy_version(tenant)
 
+    def debug_hang(self, seconds: float) -> None:
+        """Make the engine stall the way a stuck model call would (for health tests)."""
+        self.svc.run_once = lambda timeout=None: time.sleep(seconds)
+
     def queue_rows(self) -> int:
         return self.svc.queue.depth()[1]
 
