@@ -41,16 +41,18 @@ def cluster():
     c.shutdown()
 
 
+def tiny_config(inference_replicas=2, max_wait_s=0.01, env_node="node_a", **kw) -> RayRuntimeConfig:
+    """The tiny backbone; training on node_a, inference replicas on node_b, the environment on env_node."""
+    return RayRuntimeConfig(backbone=BackboneSpec(preset="tiny"), inference_replicas=inference_replicas,
+                            torch_threads=2, inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=max_wait_s),
+                            training_actor={"num_cpus": 0.5, "resources": {"node_a": 0.01}},
+                            inference_actor={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
+                            environment_actor={"num_cpus": 0.5, "resources": {env_node: 0.01}}, **kw)
+
+
 @pytest.fixture(scope="module")
 def rt(cluster):
-    cfg = RayRuntimeConfig(
-        backbone=BackboneSpec(preset="tiny"), inference_replicas=2, torch_threads=2,
-        inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.01),
-        training_actor={"num_cpus": 0.5, "resources": {"node_a": 0.01}},
-        inference_actor={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
-        environment_actor={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
-        health_interval_s=0.5, ping_timeout_s=5.0, hung_after_s=30.0, env_check_every_s=0.5)
-    runtime = RayRuntime(cfg).start()
+    runtime = RayRuntime(tiny_config(env_node="node_b", health_interval_s=0.5, env_check_every_s=0.5)).start()
     for i, (name, (spec, _)) in enumerate(TENANTS.items()):
         runtime.create_slot(name, spec, OptimizerSpec(lr=1e-3), seed=100 + i).result(120)
     assert runtime.flush(60)
@@ -192,12 +194,7 @@ def test_versions_switch_atomically_across_the_cluster(rt):
 def test_a_flooding_tenant_at_most_doubles_a_light_tenants_median_latency(cluster):
     """As on the embedded runtime: a tenant keeping 20 groups' worth of requests in flight at most doubles
     a light tenant's median latency (FIFO would make it wait ~20 groups)."""
-    cfg = RayRuntimeConfig(backbone=BackboneSpec(preset="tiny"), inference_replicas=1, torch_threads=2,
-                           inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.1),
-                           training_actor={"num_cpus": 0.5, "resources": {"node_a": 0.01}},
-                           inference_actor={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
-                           environment_actor={"num_cpus": 0.5, "resources": {"node_a": 0.01}})
-    runtime = RayRuntime(cfg).start()
+    runtime = RayRuntime(tiny_config(inference_replicas=1, max_wait_s=0.1)).start()
     try:
         for t in ("bolt", "delta"):
             runtime.create_slot(t, TENANTS[t][0]).result(120)
@@ -214,13 +211,7 @@ def test_a_flooding_tenant_at_most_doubles_a_light_tenants_median_latency(cluste
 
 
 def test_hung_inference_replica_is_replaced(cluster):
-    cfg = RayRuntimeConfig(backbone=BackboneSpec(preset="tiny"), inference_replicas=2, torch_threads=2,
-                           inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.01),
-                           training_actor={"num_cpus": 0.5, "resources": {"node_a": 0.01}},
-                           inference_actor={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
-                           environment_actor={"num_cpus": 0.5, "resources": {"node_a": 0.01}},
-                           health_interval_s=0.3, hung_after_s=2.0)
-    runtime = RayRuntime(cfg).start()
+    runtime = RayRuntime(tiny_config(health_interval_s=0.3, hung_after_s=2.0)).start()
     try:
         runtime.create_slot("acme", TENANTS["acme"][0]).result(120)
         assert runtime.flush(60)
