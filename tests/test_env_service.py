@@ -326,3 +326,40 @@ def test_close_shuts_everything_down():
     with pytest.raises(ServiceClosed):
         _open(svc, "acme", 1)
     svc.close()  # idempotent
+
+
+def test_elastic_workers_resize_a_running_session_at_its_next_reset(svc):
+    """Workers added while a tenant steps: no call fails, the running episodes finish on the old
+    workers, and after the next full reset the session runs the same episodes on more processes."""
+    sid = _open(svc, "acme", 3, seed=0)
+    plan = np.random.default_rng(1).uniform(-1, 1, (4, 3, 4)).astype(np.float32)
+
+    def episode(seed):
+        obs, _ = svc.reset("acme", sid, seed=seed)
+        states = [obs["state"].copy()]
+        for a in plan:
+            states.append(svc.step("acme", sid, a)[0]["state"].copy())
+        return np.stack(states)
+
+    before = episode(5)
+    svc.reset("acme", sid, seed=5)
+    pids = _workers(svc, sid)
+    svc.step("acme", sid, plan[0])
+    assert svc.resize_session("acme", sid, 3) == 3
+    info = svc.session_info("acme", sid)
+    assert info["n_workers"] == 1 and info["pending_workers"] == 3
+    for a in plan[1:]:  # the episode in progress keeps its simulators
+        svc.step("acme", sid, a)
+    assert _workers(svc, sid) == pids
+    after = episode(5)
+    info = svc.session_info("acme", sid)
+    assert info["n_workers"] == 3 and info["pending_workers"] is None and len(set(_workers(svc, sid))) == 3
+    assert not set(_workers(svc, sid)) & set(pids)
+    np.testing.assert_array_equal(before, after)
+    assert svc.resize_session("acme", sid, 1) == 1
+    np.testing.assert_array_equal(episode(5), before)
+    assert len(_workers(svc, sid)) == 1
+    with pytest.raises(InvalidInputError, match="n_workers"):
+        svc.resize_session("acme", sid, 0)
+    with pytest.raises(SessionNotFound):
+        svc.resize_session("bolt", sid, 2)

@@ -226,3 +226,50 @@ def test_hung_inference_replica_is_replaced(cluster):
         assert all(f.result(120)["policy_version"] == 0 for f in results)
     finally:
         runtime.stop()
+
+
+def test_environment_replicas_are_elastic(rt):
+    """Sessions spread over environment replicas, each call reaches the replica holding its session,
+    a replica added while a tenant steps takes new sessions, and a removed one drains first."""
+    spec = EnvSpec(task="goal/touch-red-cube", image_size=16)
+    first = next(iter(rt.environments))
+    sid_a = ray.get(rt.env("open_session", "acme", spec, 1, 0, 1))
+    ray.get(rt.env("reset", "acme", sid_a, 0))
+    added = rt.add_environment_replica()
+    sid_b = ray.get(rt.env("open_session", "bolt", spec, 1, 0, 1))  # the emptier replica takes it
+    assert sid_a.startswith(first + ".") and sid_b.startswith(added + ".")
+    ray.get(rt.env("reset", "bolt", sid_b, 0))
+    with pytest.raises(ValueError, match="env_all"):
+        rt.env("metrics")
+    assert set(ray.get(list(rt.env_all("metrics").values()))[i]["open_sessions"] for i in range(2)) == {1}
+
+    stepped, errors, stop = [], [], threading.Event()
+
+    def acme_steps():  # acme keeps stepping on the replica being drained
+        while not stop.is_set():
+            try:
+                _, _, term, trunc, _ = ray.get(rt.env("step", "acme", sid_a, np.zeros((1, 4), np.float32)))
+                stepped.append(1)
+                if term[0] or trunc[0]:
+                    ray.get(rt.env("reset", "acme", sid_a))
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+                return
+
+    th = threading.Thread(target=acme_steps)
+    th.start()
+    with pytest.raises(TimeoutError, match="keeps draining"):
+        rt.remove_environment_replica(first, timeout_s=1.0)
+    sid_c = ray.get(rt.env("open_session", "acme", spec, 1, 0, 1))  # a draining replica takes no new sessions
+    assert sid_c.startswith(added + ".")
+    stop.set()
+    th.join(60)
+    assert errors == [] and len(stepped) > 0
+    ray.get(rt.env("close_session", "acme", sid_a))
+    rt.remove_environment_replica(first, timeout_s=30)
+    assert list(rt.environments) == [added] and first not in rt.health.roles
+    for tenant, sid in (("bolt", sid_b), ("acme", sid_c)):
+        ray.get(rt.env("reset", tenant, sid, 1))
+        ray.get(rt.env("close_session", tenant, sid))
+    with pytest.raises(ValueError, match="last environment replica"):
+        rt.remove_environment_replica(added)

@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from conftest import TENANTS, tenant_batches
 from vlamux.envs import EnvSpec
@@ -110,7 +111,15 @@ def test_killed_training_role_comes_back_with_its_tenants(runtime, tmp_path):
         assert wait_for(lambda: runtime.training is not old and runtime.training.alive())
         time.sleep(0.3)
     assert c.errors == [] and all(v > 0 for v in c.ok.values())
-    assert runtime.training.version("acme") == 1  # from its checkpoint
+    # from its checkpoint (version 1); version 2 was already served, so its weights come back as
+    # version 3, which the replicas switch to: a version number never names two policies
+    assert runtime.training.version("acme") == 3
+    assert runtime.publisher.flush(10)
+    ckpt = runtime.training.runner.slot("acme").export_policy().tensors
+    served = runtime.predict("acme", obs, deterministic=True).result(30)
+    assert served["policy_version"] == 3
+    replica = next(iter(runtime.replicas.values())).runner.slot("acme")
+    assert all(torch.equal(ckpt[k], v) for k, v in replica.export_policy().tensors.items())
     assert runtime.training.version("bolt") == 1  # from its last published version
     out = runtime.forward_backward("bolt", *data["bolt"]).result(30)  # training goes on
     assert out["loss"] > 0 and runtime.optim_step("bolt").result(30)["policy_version"] == 2

@@ -147,3 +147,21 @@ def test_a_flooding_tenant_at_most_doubles_a_light_tenants_median_wait(backbone)
     finally:
         svc.stop()
     assert flooded <= 2 * alone, (flooded, alone)
+
+
+def test_a_checkpoint_rollback_gets_a_new_version_and_reaches_inference(services, tmp_path):
+    train, infer, pub = services
+    obs, act = tenant_batches(batch=1)["acme"]
+    train.forward_backward("acme", obs, act).result(30)
+    train.optim_step("acme").result(30)
+    train.save_state("acme", tmp_path / "v1.safetensors").result(30)
+    assert pub.flush(10)
+    want = infer.predict("acme", obs, deterministic=True).result(30)
+    assert want["policy_version"] == 1
+    train.forward_backward("acme", obs, act).result(30)
+    train.optim_step("acme").result(30)  # version 2 is served
+    assert train.load_state("acme", tmp_path / "v1.safetensors").result(30)["policy_version"] == 3
+    assert pub.flush(10)
+    infer_actions = infer.predict("acme", obs, deterministic=True).result(30)
+    assert infer_actions["policy_version"] == 3  # version 1's weights under a new number, not 1 again
+    assert torch.equal(infer_actions["actions"], want["actions"])

@@ -88,19 +88,40 @@ class VectorEnv:
         self.n_workers = max(1, min(n_envs, n_workers or os.cpu_count() or 1))
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
         self._ctx = mp.get_context("spawn")
-        bounds = np.linspace(0, n_envs, self.n_workers + 1).round().astype(int)
-        self._workers: list[_Worker | None] = [None] * self.n_workers
-        self._assign = [list(range(bounds[w], bounds[w + 1])) for w in range(self.n_workers)]
+        self._workers: list[_Worker | None] = []
+        self._assign: list[list[int]] = []
         self.needs_reset = np.ones(n_envs, dtype=bool)
         self.restarts = 0
+        self.pending_workers: int | None = None  # a resize waiting for the next full reset
         try:
-            for w in range(self.n_workers):
-                self._start(w)
-            for w in range(self.n_workers):
-                self._wait_ready(w)
+            self._start_all()
         except BaseException:
             self.close()
             raise
+
+    def _start_all(self) -> None:
+        bounds = np.linspace(0, self.n_envs, self.n_workers + 1).round().astype(int)
+        self._workers = [None] * self.n_workers
+        self._assign = [list(range(bounds[w], bounds[w + 1])) for w in range(self.n_workers)]
+        for w in range(self.n_workers):
+            self._start(w)
+        for w in range(self.n_workers):
+            self._wait_ready(w)
+
+    def resize(self, n_workers: int) -> int:
+        """Ask for `n_workers` worker processes (capped at n_envs). A sub-env's simulator state lives
+        in its worker, so the change waits for the next reset of all envs, where it is free: the
+        episodes running now finish where they are. Returns the worker count that will apply."""
+        n = max(1, min(self.n_envs, int(n_workers)))
+        self.pending_workers = None if n == self.n_workers else n
+        return n
+
+    def _apply_resize(self) -> None:
+        n, self.pending_workers = self.pending_workers, None
+        log.info("env %s/%s: %d -> %d workers", self.spec.backend, self.spec.task, self.n_workers, n)
+        self.close()
+        self.n_workers = n
+        self._start_all()
 
     # ---- workers --------------------------------------------------------------------------------
     def _start(self, w: int) -> None:
@@ -224,6 +245,8 @@ class VectorEnv:
         bad = [i for i in indices if not 0 <= i < self.n_envs]
         if bad:
             raise ValueError(f"indices: {bad} out of range for {self.n_envs} envs")
+        if self.pending_workers is not None and len(set(indices)) == self.n_envs:
+            self._apply_resize()
         seeds = {i: None if seed is None else seed + i for i in indices}
         payloads = {w: [seeds.get(i, "keep") for i in envs] for w, envs in enumerate(self._assign)
                     if any(i in seeds for i in envs)}

@@ -265,6 +265,12 @@ class Slot:
             self._restore(*backup)
             raise IncompatibleError(f"{path}: could not be restored ({e}); the slot is unchanged") from e
 
+    def newer_than(self, published: int) -> None:
+        """After loading a checkpoint, move past the newest version already published: a policy
+        version names one set of weights, forever, so a rollback gets a new number."""
+        if self.version <= published:
+            self.version = published + 1
+
     def _restore(self, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
         self.head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
         state: dict[int, dict] = {}

@@ -194,19 +194,20 @@ class EnvironmentService:
     ``allowed_dataset_roots``: if given, datasets may only be opened under these directories.
     ``env_timeout_s`` / ``start_timeout_s``: defaults of the VectorEnv deadlines.
     ``vector_env_factory(spec, n_envs, n_workers=, timeout_s=, start_timeout_s=)`` builds a session's
-    vectorised env (VectorEnv by default).
+    vectorised env (VectorEnv by default). ``name``: prefixes every session and dataset id, so a
+    runtime running several environment replicas can tell from an id which one holds it.
     """
 
     def __init__(self, *, max_sessions_per_tenant: int | None = None, max_envs_per_tenant: int | None = None,
                  max_datasets_per_tenant: int | None = None, max_envs_total: int | None = None,
                  env_timeout_s: float = 30.0, start_timeout_s: float = 120.0,
                  allowed_dataset_roots: Sequence[str | Path] | None = None,
-                 vector_env_factory: Callable[..., Any] = VectorEnv):
-        for name, v in (("max_sessions_per_tenant", max_sessions_per_tenant),
+                 vector_env_factory: Callable[..., Any] = VectorEnv, name: str = ""):
+        for quota, v in (("max_sessions_per_tenant", max_sessions_per_tenant),
                         ("max_envs_per_tenant", max_envs_per_tenant),
                         ("max_datasets_per_tenant", max_datasets_per_tenant), ("max_envs_total", max_envs_total)):
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-                raise InvalidInputError(f"{name}: expected a non-negative int or None, got {v!r}")
+                raise InvalidInputError(f"{quota}: expected a non-negative int or None, got {v!r}")
         self.max_sessions_per_tenant = max_sessions_per_tenant
         self.max_envs_per_tenant = max_envs_per_tenant
         self.max_datasets_per_tenant = max_datasets_per_tenant
@@ -216,6 +217,8 @@ class EnvironmentService:
         self.allowed_dataset_roots = None if allowed_dataset_roots is None else \
             [Path(r).expanduser().resolve() for r in allowed_dataset_roots]
         self._factory = vector_env_factory
+        self.name = name
+        self._id_prefix = f"{name}." if name else ""  # a runtime with several replicas routes an id by it
 
         self._lock = threading.Lock()  # guards every dict and counter below; never held across a simulator call
         self._sessions: dict[str, _Session] = {}
@@ -282,7 +285,7 @@ class EnvironmentService:
             vec = self._factory(spec, n_envs, n_workers=n_workers, timeout_s=timeout_s,
                                 start_timeout_s=start_timeout_s)
             now, wall = time.monotonic(), time.time()
-            s = _Session(id=uuid.uuid4().hex, tenant=tenant, spec=spec, n_envs=n_envs,
+            s = _Session(id=self._id_prefix + uuid.uuid4().hex, tenant=tenant, spec=spec, n_envs=n_envs,
                          n_workers=int(getattr(vec, "n_workers", n_workers or 1)), seed=seed,
                          idle_timeout_s=idle_timeout_s, as_observation=bool(as_observation), timeout_s=timeout_s,
                          start_timeout_s=start_timeout_s, vec=vec, created=wall, last_used_mono=now, last_used=wall)
@@ -321,6 +324,7 @@ class EnvironmentService:
                 self._count(s, reset_calls=1, episodes_started=len(getattr(e, "partial", None) or {}))
 
             obs, infos = self._sim_call(s, lambda: s.vec.reset(seed=seed, indices=indices), partial_resets)
+            s.n_workers = int(getattr(s.vec, "n_workers", s.n_workers))  # a pending resize applies at a full reset
             s.was_reset = True
             self._count(s, reset_calls=1, episodes_started=n)
             return (obs_to_observation(obs) if s.as_observation else obs), infos
@@ -344,6 +348,19 @@ class EnvironmentService:
             if s.as_observation:
                 out = (obs_to_observation(out[0]),) + tuple(out[1:])
             return out
+        finally:
+            self._release(s)
+
+    def resize_session(self, tenant: str, session_id: str, n_workers: int) -> int:
+        """Elastic simulators: give a running session `n_workers` worker processes. It takes effect at
+        the session's next reset of all envs (a sub-env's state lives in its worker), so no call and no
+        running episode is dropped. Returns the worker count that will apply."""
+        n_workers = _count("n_workers", n_workers)
+        s = self._acquire_session(tenant, session_id)
+        try:
+            if not hasattr(s.vec, "resize"):
+                raise InvalidInputError(f"session {session_id!r}: its env cannot change its worker count")
+            return s.vec.resize(n_workers)
         finally:
             self._release(s)
 
@@ -433,7 +450,7 @@ class EnvironmentService:
                 raise DatasetError(f"{path}: batch_size {batch_size} is larger than the {sampler.num_samples} "
                                    f"frames of the dataset")
             now, wall = time.monotonic(), time.time()
-            d = _Dataset(id=uuid.uuid4().hex, tenant=tenant, root=str(path), dataset=ds, sampler=sampler,
+            d = _Dataset(id=self._id_prefix + uuid.uuid4().hex, tenant=tenant, root=str(path), dataset=ds, sampler=sampler,
                          idle_timeout_s=idle_timeout_s, created=wall, last_used_mono=now, last_used=wall)
             with self._lock:
                 self._check_open()
@@ -756,6 +773,7 @@ class EnvironmentService:
     def _session_info(self, s: _Session) -> dict:
         vec = s.vec
         return {"session_id": s.id, "spec": s.spec, "n_envs": s.n_envs, "n_workers": s.n_workers,
+                "pending_workers": getattr(vec, "pending_workers", None),
                 "created": s.created, "last_used": s.last_used, "idle_s": time.monotonic() - s.last_used_mono,
                 "idle_timeout_s": s.idle_timeout_s, "env_steps": s.counters.env_steps,
                 "step_calls": s.counters.step_calls, "reset_calls": s.counters.reset_calls,

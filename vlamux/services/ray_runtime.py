@@ -136,6 +136,9 @@ class TrainingActor(_Actor):
         slot = self.svc.runner.slots.get(tenant) or self.svc.runner.create_slot(tenant, head_spec, optim, seed)
         if checkpoint is not None:
             slot.load_state(checkpoint)
+            if snapshot is not None and snapshot.version >= slot.version:
+                slot.newer_than(snapshot.version)
+                self.svc._publish(tenant)  # the replicas serve what training now holds
         elif snapshot is not None:
             slot.apply_policy(snapshot)
         return slot.version
@@ -175,6 +178,7 @@ class RayRuntimeConfig(RuntimeConfig):
     training_actor: dict = field(default_factory=lambda: {"num_cpus": 0.5})
     inference_actor: dict = field(default_factory=lambda: {"num_cpus": 0.5})
     environment_actor: dict = field(default_factory=lambda: {"num_cpus": 0.5})
+    environment_replicas: int = 1
     torch_threads: int | None = None  # Ray gives fractional actors a single torch thread otherwise
     ping_timeout_s: float = 5.0
 
@@ -187,6 +191,7 @@ class RayRuntime:
             raise RuntimeError("RayRuntime needs a Ray connection: call ray.init(address=...) first")
         self.config = config or RayRuntimeConfig()
         self._names = itertools.count()
+        self._env_names = itertools.count()
         self._lock = threading.RLock()
         self.replicas: dict[str, ray.actor.ActorHandle] = {}
         self._outstanding: dict[str, int] = {}  # requests sent to each replica, not yet answered
@@ -200,7 +205,8 @@ class RayRuntime:
         # (re-routing, keeping the newest policy) goes to this driver thread instead.
         self._followups = ThreadPoolExecutor(max_workers=2, thread_name_prefix="vlamux-ray-driver")
         self.training = None
-        self.environment = None
+        self.environments: dict[str, ray.actor.ActorHandle] = {}
+        self._draining: set[str] = set()
         self._stopping = False
 
     def _actor(self, cls, role_options: dict, max_concurrency: int = 64):
@@ -212,11 +218,10 @@ class RayRuntime:
         c = self.config
         self.training = self._actor(TrainingActor, c.training_actor).remote(
             c.backbone, c.max_staleness, c.max_group_rows, c.device, c.torch_threads)
-        self.environment = self._actor(EnvironmentActor, c.environment_actor).remote(c.torch_threads, **c.environment)
         self._incarnations["training"] = self._ping(self.training)["incarnation"]
-        self._incarnations["environment"] = self._ping(self.environment)["incarnation"]
         self.health.watch(self._role("training", lambda: self.training, self._restore_training))
-        self.health.watch(self._role("environment", lambda: self.environment, lambda: None))
+        for _ in range(c.environment_replicas):
+            self.add_environment_replica()
         for _ in range(c.inference_replicas):
             self.add_inference_replica()
         self.health.start()
@@ -226,10 +231,11 @@ class RayRuntime:
         self._stopping = True
         self.health.stop()
         self._followups.shutdown(wait=False, cancel_futures=True)
-        for handle in [self.training, self.environment, *self.replicas.values()]:
+        for handle in [self.training, *self.environments.values(), *self.replicas.values()]:
             if handle is not None:
                 ray.kill(handle, no_restart=True)
         self.replicas.clear()
+        self.environments.clear()
 
     def __enter__(self) -> RayRuntime:
         return self.start()
@@ -332,11 +338,15 @@ class RayRuntime:
     def _restore_training(self) -> None:
         with self._lock:
             recipes, checkpoints = dict(self._recipes), dict(self._checkpoints)
+        ray.get([self.training.subscribe.remote(name, handle) for name, handle in list(self.replicas.items())],
+                timeout=CALL_TIMEOUT_S)
         refs = [self.training.restore.remote(t, r.head_spec, r.optim, r.seed, checkpoints.get(t), self.latest.get(t))
                 for t, r in recipes.items()]
         ray.get(refs, timeout=CALL_TIMEOUT_S)
-        for name, handle in list(self.replicas.items()):
-            self.training.subscribe.remote(name, handle)
+        for t in recipes:
+            snap = ray.get(self.training.export_policy.remote(t), timeout=CALL_TIMEOUT_S)
+            if t not in self.latest or self.latest[t].version < snap.version:
+                self.latest[t] = snap
 
     # ---- inference --------------------------------------------------------------------------------
     def add_inference_replica(self) -> str:
@@ -427,9 +437,97 @@ class RayRuntime:
         self._route(*args)
 
     # ---- environment ------------------------------------------------------------------------------
+    # Several Environment Service replicas may run; each prefixes its session and dataset ids with its
+    # name, so a call that names an id goes straight to the replica holding it.
+    @property
+    def environment(self) -> ray.actor.ActorHandle:
+        """The first environment replica (the only one, by default)."""
+        return next(iter(self.environments.values()))
+
+    def add_environment_replica(self) -> str:
+        c = self.config
+        name = f"environment-{next(self._env_names)}"
+        handle = self._actor(EnvironmentActor, c.environment_actor).remote(c.torch_threads, name=name,
+                                                                           **c.environment)
+        self._incarnations[name] = self._ping(handle)["incarnation"]
+        with self._lock:
+            self.environments[name] = handle
+        # a restarted replica comes back empty: its sessions' simulators died with it, and their ids
+        # answer SessionNotFound, so the tenant opens a new session
+        self.health.watch(self._role(name, lambda: self.environments[name], lambda: None))
+        return name
+
+    def remove_environment_replica(self, name: str, timeout_s: float = 60.0) -> None:
+        """Drain a replica: it takes no new sessions or datasets; once its open ones are closed (by
+        their tenants or the idle reaper) it stops. Raises TimeoutError, leaving it draining and
+        serving, if they are still open after `timeout_s`."""
+        with self._lock:
+            if name not in self.environments:
+                raise KeyError(f"no environment replica {name!r}")
+            if len(self.environments) - len(self._draining - {name}) <= 1:
+                raise ValueError("cannot remove the last environment replica")
+            self._draining.add(name)
+            handle = self.environments[name]
+        end = time.monotonic() + timeout_s
+        while True:
+            m = ray.get(handle.call.remote("metrics"), timeout=CALL_TIMEOUT_S)
+            held = m["open_sessions"] + m["open_datasets"]
+            if held == 0:
+                break
+            if time.monotonic() > end:
+                raise TimeoutError(f"environment replica {name!r} still holds {m['open_sessions']} sessions and "
+                                   f"{m['open_datasets']} datasets after {timeout_s:.0f}s; it keeps draining")
+            time.sleep(0.2)
+        self.health.unwatch(name)
+        with self._lock:
+            self.environments.pop(name)
+            self._draining.discard(name)
+        ray.kill(handle, no_restart=True)
+
+    def env_actor(self, handle_id: str) -> ray.actor.ActorHandle:
+        """The environment replica that holds a session or dataset id."""
+        owner = handle_id.split(".", 1)[0] if isinstance(handle_id, str) else None
+        with self._lock:
+            if owner in self.environments:
+                return self.environments[owner]
+        raise KeyError(f"no environment replica holds {handle_id!r}")
+
+    def _open_on(self) -> ray.actor.ActorHandle:
+        """The serving (not draining) replica holding the fewest simulators and datasets."""
+        with self._lock:
+            serving = {n: h for n, h in self.environments.items() if n not in self._draining}
+        if len(serving) == 1:
+            return next(iter(serving.values()))
+        names = list(serving)
+        loads = ray.get([serving[n].call.remote("metrics") for n in names], timeout=CALL_TIMEOUT_S)
+        best = min(range(len(names)), key=lambda i: (loads[i]["open_envs"] + loads[i]["open_datasets"], i))
+        return serving[names[best]]
+
     def _check_env_workers(self) -> dict:
-        return ray.get(self.environment.call.remote("check_workers"), timeout=CALL_TIMEOUT_S)
+        with self._lock:
+            handles = list(self.environments.values())
+        out: dict = {}
+        for replaced in ray.get([h.call.remote("check_workers") for h in handles], timeout=CALL_TIMEOUT_S):
+            out.update(replaced)
+        return out
 
     def env(self, method: str, *args, **kwargs) -> ray.ObjectRef:
-        """Call an Environment Service method; the result stays in the object store (an ObjectRef)."""
+        """Call an Environment Service method; the result stays in the object store (an ObjectRef).
+        `open_*` goes to the least loaded serving replica; a call naming a session or dataset id to
+        the replica holding it; other calls need a single replica (see `env_all`)."""
+        if method.startswith("open_"):
+            return self._open_on().call.remote(method, *args, **kwargs)
+        if len(args) >= 2 and isinstance(args[1], str) and "." in args[1]:
+            try:
+                return self.env_actor(args[1]).call.remote(method, *args, **kwargs)
+            except KeyError:
+                pass  # the service answers with its own not-found error
+        if len(self.environments) > 1:
+            raise ValueError(f"env({method!r}) names no session or dataset and {len(self.environments)} "
+                             f"environment replicas run; use env_all")
         return self.environment.call.remote(method, *args, **kwargs)
+
+    def env_all(self, method: str, *args, **kwargs) -> dict[str, ray.ObjectRef]:
+        """Call a method on every environment replica: {replica name: ObjectRef}."""
+        with self._lock:
+            return {n: h.call.remote(method, *args, **kwargs) for n, h in self.environments.items()}

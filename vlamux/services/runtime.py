@@ -128,11 +128,15 @@ class EmbeddedRuntime:
         with self._lock:
             recipes, checkpoints = dict(self._recipes), dict(self._checkpoints)
         for tenant, r in recipes.items():
-            new.runner.create_slot(tenant, r.head_spec, r.optim, r.seed)
+            slot = new.runner.create_slot(tenant, r.head_spec, r.optim, r.seed)
+            published = self.latest.get(tenant)
             if tenant in checkpoints:
-                new.runner.slot(tenant).load_state(checkpoints[tenant])
-            elif tenant in self.latest:
-                new.runner.slot(tenant).apply_policy(self.latest[tenant])
+                slot.load_state(checkpoints[tenant])
+                if published is not None and published.version >= slot.version:
+                    slot.newer_than(published.version)
+                    new._publish(tenant)  # the replicas serve what training now holds
+            elif published is not None:
+                slot.apply_policy(published)
         self.training = new.start()
 
     def _remember(self, snap: PolicySnapshot) -> None:

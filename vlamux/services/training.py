@@ -117,7 +117,10 @@ class TrainingModelService(EngineLoop):
             self.runner.slot(op.tenant).save(op.payload)
             return {"path": str(op.payload), "policy_version": self.version(op.tenant)}
         if op.kind == "load_state":
-            self.runner.slot(op.tenant).load_state(op.payload)
+            slot = self.runner.slot(op.tenant)
+            published = slot.version  # every version this slot held was published
+            slot.load_state(op.payload)
+            slot.newer_than(published)
             self._publish(op.tenant)
             return {"policy_version": self.version(op.tenant)}
         raise InvalidInputError(f"unknown training operation {op.kind!r}")
