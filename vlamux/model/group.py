@@ -14,18 +14,20 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from vlamux.model.batch import Observation
+from vlamux.model.policy_loss import PolicyLoss
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class ForwardBackward:
-    """Accumulate the gradients of the tenant's supervised loss on (obs, actions)."""
+    """Accumulate the gradients of the tenant's loss on (obs, actions): supervised, or RL with `loss`."""
 
     tenant: str
     obs: Observation
     actions: Tensor  # [B, H, A] in the tenant's units
-    action_mask: Tensor | None = None  # [B, H] bool, False on padded steps
+    action_mask: Tensor | None = None  # [B, H] bool, False on padded (or, for RL, unexecuted) steps
+    loss: PolicyLoss | None = None  # None: the head's supervised loss; else the RL objective
 
 
 @dataclass

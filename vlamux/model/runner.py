@@ -142,7 +142,7 @@ class ModelRunner:
     @staticmethod
     def _run_head(req: Request, slot: Slot, feature: VLAFeature) -> dict:
         if isinstance(req, ForwardBackward):
-            return slot.forward_backward(feature, req.obs.state, req.actions, req.action_mask)
+            return slot.forward_backward(feature, req.obs.state, req.actions, req.action_mask, req.loss)
         return slot.sample(feature, req.obs.state, req.deterministic)
 
 

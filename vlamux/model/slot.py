@@ -21,6 +21,7 @@ from vlamux.model.batch import check_float_tensor
 from vlamux.model.feature import FeatureMeta, VLAFeature
 from vlamux.model.heads import ActionHead, HeadSpec, build_head
 from vlamux.model.normalize import NormStats
+from vlamux.model.policy_loss import PolicyLoss, policy_objective
 from vlamux.utils.io import atomic_save_safetensors
 from vlamux.utils.seeding import seeded
 
@@ -138,16 +139,26 @@ class Slot:
 
     # ---- operations ---------------------------------------------------------------------------
     def forward_backward(self, feature: VLAFeature, state: Tensor | None, actions: Tensor,
-                         action_mask: Tensor | None = None) -> dict[str, float]:
-        """Add this batch's gradients to the slot; returns the loss and head metrics."""
+                         action_mask: Tensor | None = None, loss: PolicyLoss | None = None) -> dict:
+        """Add this batch's gradients to the slot; returns the loss and head metrics. Without `loss`
+        the head's supervised loss on `actions`; with it, the RL objective (then also the rows'
+        current `log_prob`, a proximal policy for later epochs over the same batch)."""
         feature = self._check_feature(feature)
         b = feature.batch_size
         state_n = self._state(state, b)
         actions_n, mask = self._actions(actions, action_mask, b)
+        if loss is not None:
+            loss.check(b)
         rng = self.generator.get_state()
+        extra = {}
         try:
             params = [p for p in self.head.parameters() if p.requires_grad]
-            loss, metrics = self.head.loss(feature, state_n, actions_n, mask, self.generator)
+            if loss is None:
+                loss, metrics = self.head.loss(feature, state_n, actions_n, mask, self.generator)
+            else:
+                log_prob, entropy, value = self.head.evaluate(feature, state_n, actions_n, mask)
+                loss, metrics = policy_objective(log_prob, entropy, value, loss)
+                extra["log_prob"] = log_prob.detach().cpu()
             if not torch.isfinite(loss):
                 raise NonFiniteError(f"tenant {self.tenant!r}: loss is {loss.item()}")
             grads = torch.autograd.grad(loss, params, allow_unused=True)
@@ -161,7 +172,7 @@ class Slot:
             if g is not None:
                 p.grad = g if p.grad is None else p.grad.add_(g)
         self.accumulated += 1
-        return {"loss": loss.item(), **metrics}
+        return {"loss": loss.item(), **metrics, **extra}
 
     def optim_step(self) -> dict[str, float]:
         """Apply accumulated gradients; the policy version increases by one."""

@@ -110,11 +110,11 @@ class TrainingActor(_Actor):
     def create_slot(self, tenant, head_spec, optim=None, seed=0, stats=None):
         return self.svc.create_slot(tenant, head_spec, optim, seed, stats).result(CALL_TIMEOUT_S)
 
-    def forward_backward(self, tenant, obs, actions, action_mask=None, policy_version=None, priority=0):
+    def forward_backward(self, tenant, obs, actions, action_mask=None, policy_version=None, priority=0, loss=None):
         if isinstance(obs, dict):
             obs = obs_to_observation(obs)
         return self.svc.forward_backward(tenant, obs, actions, action_mask, policy_version,
-                                         priority).result(CALL_TIMEOUT_S)
+                                         priority, loss).result(CALL_TIMEOUT_S)
 
     def optim_step(self, tenant, priority=0):
         return self.svc.optim_step(tenant, priority).result(CALL_TIMEOUT_S)
@@ -295,9 +295,9 @@ class RayRuntime:
         return self._remember_after(tenant, self.training.create_slot.remote(tenant, head_spec, optim, seed, stats))
 
     def forward_backward(self, tenant: str, obs, actions, action_mask=None, policy_version=None,
-                         priority: int = 0) -> Future:
+                         priority: int = 0, loss=None) -> Future:
         return self.training.forward_backward.remote(tenant, obs, actions, action_mask, policy_version,
-                                                     priority).future()
+                                                     priority, loss).future()
 
     def optim_step(self, tenant: str, priority: int = 0) -> Future:
         return self._remember_after(tenant, self.training.optim_step.remote(tenant, priority))

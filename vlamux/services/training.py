@@ -21,6 +21,7 @@ from torch import Tensor
 from vlamux.errors import InvalidInputError, UnknownTenantError
 from vlamux.model import Backbone, ForwardBackward, HeadSpec, ModelRunner, Observation, OptimizerSpec
 from vlamux.model.normalize import NormStats
+from vlamux.model.policy_loss import PolicyLoss
 from vlamux.services.accounting import Accounting
 from vlamux.services.engine import EngineLoop
 from vlamux.services.control import PolicyPublisher
@@ -53,8 +54,12 @@ class TrainingModelService(EngineLoop):
         return self.queue.submit(TrainOp(tenant, "create_slot", _CreateSlot(head_spec, optim, seed, stats)))
 
     def forward_backward(self, tenant: str, obs: Observation, actions: Tensor, action_mask: Tensor | None = None,
-                         policy_version: int | None = None, priority: int = 0) -> Future:
-        return self.queue.submit(TrainOp(tenant, "forward_backward", ForwardBackward(tenant, obs, actions, action_mask),
+                         policy_version: int | None = None, priority: int = 0, loss: PolicyLoss | None = None
+                         ) -> Future:
+        """policy_version: for RL, the oldest version that produced the batch (the staleness limit
+        refuses it with StaleError when too old); loss: the RL objective (None: supervised)."""
+        return self.queue.submit(TrainOp(tenant, "forward_backward",
+                                         ForwardBackward(tenant, obs, actions, action_mask, loss),
                                          rows=obs.batch_size, priority=priority, policy_version=policy_version))
 
     def optim_step(self, tenant: str, priority: int = 0) -> Future:

@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
+from vlamux.errors import InvalidInputError
 from vlamux.model.feature import VLAFeature
 from vlamux.model.heads.layers import ChunkDecoder
 
@@ -94,5 +95,11 @@ class ActionHead(nn.Module):
 
     def sample(self, feature: VLAFeature, state: Tensor | None, generator: torch.Generator,
                deterministic: bool = False) -> dict[str, Tensor]:
-        """{"actions": normalised [B, H, A], ...head-specific extras such as log_prob, value}."""
+        """{"actions": normalised [B, H, A], ...head-specific extras such as step_log_prob, value}."""
         raise NotImplementedError
+
+    def evaluate(self, feature: VLAFeature, state: Tensor | None, actions: Tensor, action_mask: Tensor
+                 ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """For RL: log-prob [B] and entropy [B] of normalised `actions` over the masked steps, value [B]."""
+        raise InvalidInputError(f"head kind {self.kind!r} has no action log-probability, so it cannot be trained "
+                                f"with RL; use a gaussian or bins head")

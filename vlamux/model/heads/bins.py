@@ -36,10 +36,15 @@ class BinsHead(ActionHead):
         return self.logits_out(steps).view(b, s.horizon, s.action_dim, self.n_bins), self.value(pooled)
 
     @staticmethod
-    def log_prob(logits: Tensor, idx: Tensor, action_mask: Tensor) -> Tensor:
+    def step_log_prob(logits: Tensor, idx: Tensor) -> Tensor:
+        """Log-probability of the chosen bins of each step [B, H], over all dims."""
+        return logits.log_softmax(-1).gather(-1, idx[..., None]).squeeze(-1).sum(-1)
+
+    @classmethod
+    def log_prob(cls, logits: Tensor, idx: Tensor, action_mask: Tensor) -> Tensor:
         """Log-probability of the chosen bins per row [B], over valid steps and all dims."""
-        lp = logits.log_softmax(-1).gather(-1, idx[..., None]).squeeze(-1)
-        return (lp.sum(-1) * action_mask.to(lp.dtype)).sum(-1)
+        lp = cls.step_log_prob(logits, idx)
+        return (lp * action_mask.to(lp.dtype)).sum(-1)
 
     @staticmethod
     def entropy(logits: Tensor, action_mask: Tensor) -> Tensor:
@@ -62,6 +67,11 @@ class BinsHead(ActionHead):
         else:
             probs = logits.softmax(-1).flatten(0, 2)
             idx = torch.multinomial(probs, 1, generator=generator).view(logits.shape[:-1])
-        full = torch.ones(idx.shape[:2], dtype=torch.bool, device=idx.device)
-        return {"actions": self.from_bins(idx), "bins": idx, "log_prob": self.log_prob(logits, idx, full),
+        steps = self.step_log_prob(logits, idx)
+        return {"actions": self.from_bins(idx), "bins": idx, "log_prob": steps.sum(-1), "step_log_prob": steps,
                 "value": value}
+
+    def evaluate(self, feature, state, actions, action_mask):
+        logits, value = self.logits(feature, state)
+        return (self.log_prob(logits, self.to_bins(actions), action_mask), self.entropy(logits, action_mask),
+                value)

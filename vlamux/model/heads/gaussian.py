@@ -30,11 +30,16 @@ class GaussianHead(ActionHead):
         return self.mean_out(steps), log_std, self.value(pooled)
 
     @staticmethod
-    def log_prob(mean: Tensor, log_std: Tensor, actions: Tensor, action_mask: Tensor) -> Tensor:
-        """Log-density of the whole chunk per row [B], summed over valid steps and all dims."""
+    def step_log_prob(mean: Tensor, log_std: Tensor, actions: Tensor) -> Tensor:
+        """Log-density of each step of the chunk [B, H], summed over the action dims."""
         z = (actions - mean) / log_std.exp()
-        per_dim = -0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi)
-        return (per_dim.sum(-1) * action_mask.to(per_dim.dtype)).sum(-1)
+        return (-0.5 * z.pow(2) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
+
+    @classmethod
+    def log_prob(cls, mean: Tensor, log_std: Tensor, actions: Tensor, action_mask: Tensor) -> Tensor:
+        """Log-density of the whole chunk per row [B], summed over valid steps and all dims."""
+        per_step = cls.step_log_prob(mean, log_std, actions)
+        return (per_step * action_mask.to(per_step.dtype)).sum(-1)
 
     @staticmethod
     def entropy(log_std: Tensor, action_mask: Tensor) -> Tensor:
@@ -54,5 +59,9 @@ class GaussianHead(ActionHead):
         else:
             noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
             actions = mean + noise * log_std.exp()
-        full = torch.ones(actions.shape[:2], dtype=torch.bool, device=actions.device)
-        return {"actions": actions, "log_prob": self.log_prob(mean, log_std, actions, full), "value": value}
+        steps = self.step_log_prob(mean, log_std, actions)
+        return {"actions": actions, "log_prob": steps.sum(-1), "step_log_prob": steps, "value": value}
+
+    def evaluate(self, feature, state, actions, action_mask):
+        mean, log_std, value = self.distribution(feature, state)
+        return self.log_prob(mean, log_std, actions, action_mask), self.entropy(log_std, action_mask), value

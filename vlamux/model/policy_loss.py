@@ -1,0 +1,69 @@
+"""The reinforcement-learning objective a tenant's head is trained with: decoupled PPO.
+
+Asynchronous RL trains on data that an older policy version produced. Decoupled PPO (Hilton et al.,
+"Batch size-invariance for policy optimization") splits the two roles of PPO's old policy: the
+*behaviour* policy that acted (its log-probs are stored per step) only reweights the sample, with a
+truncated importance weight pi_prox / pi_behav, while the clipping trust region is taken around a
+recent *proximal* policy (by default the current weights, detached). With fresh data the weight is 1
+and this is PPO; with stale data the correction is explicit and bounded.
+
+GRPO uses the same objective with group-normalised advantages and no value target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vlamux.errors import InvalidInputError
+from vlamux.model.batch import check_float_tensor
+
+
+@dataclass
+class PolicyLoss:
+    """Per-row RL inputs of one forward_backward (rows = action chunks)."""
+
+    behaviour_log_prob: Tensor  # [B] log-prob of the executed steps under the policy that acted
+    advantages: Tensor  # [B]
+    returns: Tensor | None = None  # [B] value targets (PPO); None: no value loss (GRPO)
+    proximal_log_prob: Tensor | None = None  # [B]; None: the current policy's, detached
+    clip_eps: float = 0.2
+    max_is_weight: float = 2.0  # truncation of pi_prox / pi_behav (variance bound)
+    value_coef: float = 0.5
+    entropy_coef: float = 0.0
+
+    def check(self, batch: int) -> None:
+        for name in ("behaviour_log_prob", "advantages", "returns", "proximal_log_prob"):
+            v = getattr(self, name)
+            if v is not None or name in ("behaviour_log_prob", "advantages"):
+                check_float_tensor(f"loss.{name}", v, (batch,))
+        for name in ("clip_eps", "max_is_weight"):
+            if not getattr(self, name) > 0:
+                raise InvalidInputError(f"loss.{name}: must be > 0, got {getattr(self, name)}")
+
+
+def policy_objective(log_prob: Tensor, entropy: Tensor, value: Tensor | None, spec: PolicyLoss
+                     ) -> tuple[Tensor, dict]:
+    """The decoupled-PPO loss from the current policy's per-row log_prob, entropy and value."""
+    dev = log_prob.device
+    behaviour = spec.behaviour_log_prob.to(dev, torch.float32)
+    adv = spec.advantages.to(dev, torch.float32)
+    prox = log_prob.detach() if spec.proximal_log_prob is None else spec.proximal_log_prob.to(dev, torch.float32)
+    is_weight = (prox - behaviour).exp().clamp(max=spec.max_is_weight)
+    ratio = (log_prob - prox).exp()
+    clipped = ratio.clamp(1 - spec.clip_eps, 1 + spec.clip_eps)
+    policy = -(is_weight * torch.min(ratio * adv, clipped * adv)).mean()
+    loss = policy - spec.entropy_coef * entropy.mean()
+    metrics = {"policy_loss": policy.item(), "entropy": entropy.mean().item(),
+               "is_weight": is_weight.mean().item(),
+               "clip_frac": ((ratio - 1).abs() > spec.clip_eps).float().mean().item(),
+               "approx_kl": (prox - log_prob).mean().item()}
+    if spec.returns is not None:
+        if value is None:
+            raise InvalidInputError("loss.returns: this head has no value output")
+        v_loss = 0.5 * (value - spec.returns.to(dev, torch.float32)).pow(2).mean()
+        loss = loss + spec.value_coef * v_loss
+        metrics["value_loss"] = v_loss.item()
+    return loss, metrics
