@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 from vlamux.model.slot import PolicySnapshot
@@ -18,6 +19,7 @@ log = logging.getLogger(__name__)
 
 class PolicyPublisher:
     def __init__(self):
+        self.busy_s = 0.0
         self._subscribers: dict[str, Callable[[PolicySnapshot], None]] = {}
         self._pending: dict[str, PolicySnapshot] = {}  # tenant -> newest undelivered snapshot
         self._cv = threading.Condition()
@@ -68,6 +70,7 @@ class PolicyPublisher:
                 batch, self._pending = list(self._pending.values()), {}
                 self._delivering = True
                 subscribers = list(self._subscribers.items())
+            t0 = time.perf_counter()
             for snap in batch:
                 for name, deliver in subscribers:
                     try:
@@ -77,5 +80,6 @@ class PolicyPublisher:
                     except Exception:  # noqa: BLE001 - one replica's failure must not stop the others
                         log.exception("delivering tenant %r version %d to %s failed", snap.tenant, snap.version, name)
             with self._cv:
+                self.busy_s += time.perf_counter() - t0  # the distribution lane's busy time
                 self._delivering = False
                 self._cv.notify_all()

@@ -102,7 +102,13 @@ class EmbeddedRuntime:
         return self.training.create_slot(tenant, head_spec, optim, seed, stats)
 
     def save_state(self, tenant: str, path: str | Path) -> Future:
-        fut = self.training.save_state(tenant, path)
+        return self._tracked(tenant, path, self.training.save_state(tenant, path))
+
+    def load_state(self, tenant: str, path: str | Path) -> Future:
+        return self._tracked(tenant, path, self.training.load_state(tenant, path))
+
+    def _tracked(self, tenant: str, path, fut: Future) -> Future:
+        """Remember the tenant's newest checkpoint once the call succeeds: a restart restores from it."""
         fut.add_done_callback(lambda f: f.exception() is None and self._checkpoints.__setitem__(tenant, Path(path)))
         return fut
 

@@ -1,0 +1,171 @@
+"""Workflows on the embedded runtime: RL (async four lanes and sync), SFT, evaluation, job specs, the
+Master Service (checkpoints, metrics file, resume). Small budgets: these check behaviour, not learning."""
+
+import csv
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import snapshot, same_bytes
+from vlamux.envs import EnvSpec
+from vlamux.jobs import JobSpecError, load_spec
+from vlamux.jobs.master import MasterService
+from vlamux.model import BackboneSpec, HeadSpec, OptimizerSpec
+from vlamux.services.queues import InferenceQueueConfig
+from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
+from vlamux.workflows.advantages import gae, group_advantages
+from vlamux.workflows.evaluate import evaluate, wilson
+from vlamux.workflows.rl import RLConfig, RLRun, Sampler, Stats
+
+ENV = EnvSpec(task="goal/touch-red-cube", image_size=16, max_steps=12, n_action_steps=2)
+HEAD = {"kind": "gaussian", "action_dim": 4, "horizon": 4, "state_dim": 8, "width": 32, "depth": 1}
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset="tiny"),
+                                       inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.005))).start()
+    yield rt
+    rt.stop()
+
+
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory):
+    from vlamux.data.demos import generate
+
+    root = tmp_path_factory.mktemp("wf") / "demos"
+    generate([ENV.task], 2, root, image_size=16, workers=1, progress=None)
+    return root
+
+
+def _slot(rt, tenant, kind="gaussian"):
+    rt.create_slot(tenant, HeadSpec(**{**HEAD, "kind": kind}), OptimizerSpec(lr=1e-4)).result(30)
+    assert rt.publisher.flush(10)
+
+
+def test_gae_and_group_advantages():
+    r = torch.tensor([[0.0], [0.0], [1.0]])
+    v = torch.zeros(3, 1)
+    done = torch.tensor([[False], [False], [True]])
+    adv, ret = gae(r, v, done, torch.tensor([5.0]), gamma=0.5, lam=1.0)
+    assert torch.allclose(adv[:, 0], torch.tensor([0.25, 0.5, 1.0]))  # the episode's end cuts the bootstrap
+    adv, _ = gae(r, v, torch.zeros(3, 1, dtype=torch.bool), torch.tensor([4.0]), gamma=0.5, lam=1.0)
+    assert adv[2, 0] == pytest.approx(3.0)
+    a, keep = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0, 0, 1, 1]))
+    assert keep.tolist() == [True, True, False, False] and a[0] > 0 > a[1] and a[2] == 0
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_rl_runs_within_budget_with_bounded_staleness(runtime, mode):
+    tenant = f"rl-{mode}"
+    _slot(runtime, tenant)
+    cfg = RLConfig(env=ENV, mode=mode, env_steps=96, n_envs=2, sub_batches=2, segment_steps=4, max_staleness=1,
+                   minibatch_rows=4)
+    progress = []
+    stats = RLRun(runtime, tenant, cfg, on_progress=lambda s: progress.append(s.version)).run()
+    assert stats.env_steps >= 96 and stats.segments_trained >= 1
+    assert runtime.training.version(tenant) == stats.version == stats.segments_trained  # one step per segment
+    assert progress == sorted(progress) and progress[-1] == stats.version
+    assert stats.episodes and all(isinstance(s, bool) for _, s in stats.episodes)
+    assert stats.lane_busy_s["sampling"] > 0 and stats.lane_busy_s["inference"] > 0
+    assert runtime.environment.list_sessions(tenant) == []  # its sessions were closed
+
+
+def test_grpo_groups_start_from_one_state(runtime):
+    tenant = "grpo"
+    _slot(runtime, tenant, "bins")
+    cfg = RLConfig(env=ENV, algorithm="grpo", n_envs=4, group_size=2, segment_steps=6)
+    s = Sampler(runtime, tenant, cfg, 0, Stats(), __import__("threading").Lock())
+    try:
+        s._reset_groups()
+        st = s.obs["images"]["agentview"]
+        assert np.array_equal(st[0], st[1]) and np.array_equal(st[2], st[3]) and not np.array_equal(st[0], st[2])
+    finally:
+        s.close()
+    stats = RLRun(runtime, tenant, RLConfig(env=ENV, algorithm="grpo", mode="sync", env_steps=48, n_envs=4,
+                                            group_size=2, sub_batches=1, segment_steps=6)).run()
+    # a group whose envs all failed (or all succeeded) carries no signal: dropped, never trained on
+    assert stats.segments_trained + stats.segments_dropped >= 1
+
+
+def test_evaluation_reports_ci_and_never_touches_training(runtime):
+    tenant = "evaluator"
+    _slot(runtime, tenant)
+    before = snapshot(runtime.training.runner.slot(tenant))
+    out = evaluate(runtime, tenant, ENV, [ENV.task], episodes=3, n_envs=2)
+    r = out["tasks"][ENV.task]
+    assert r["episodes"] == 3 and 0 <= r["rate"] <= 1 and r["ci95"][0] <= r["rate"] <= r["ci95"][1]
+    assert out["policy_versions"] == [0]
+    assert same_bytes(before, snapshot(runtime.training.runner.slot(tenant)))
+    again = evaluate(runtime, tenant, ENV, [ENV.task], episodes=3, n_envs=2)
+    assert again["tasks"][ENV.task]["successes"] == r["successes"]  # the same seeded episodes
+    lo, hi = wilson(8, 10)
+    assert 0.49 < lo < 0.5 and 0.94 < hi < 0.95
+
+
+def test_job_spec_errors_name_the_field():
+    base = {"name": "j", "tenant": "acme", "kind": "rl", "head": HEAD, "rl": {"env": {"task": ENV.task}}}
+    assert load_spec(base).rl.env.task == ENV.task
+    cases = [({"rl": {"env": {"tsk": 1}}}, "rl.env.tsk: unknown field"),
+             ({"head": {**HEAD, "horizon": "4"}}, "head.horizon: expected an integer"),
+             ({"rl": {"algorithm": "dqn"}}, "rl.algorithm"),
+             ({"kind": "train"}, "kind:"),
+             ({"optimizer": {"lr": "fast"}}, "optimizer.lr: expected a number"),
+             ({"name": "a b"}, "name:")]
+    for change, where in cases:
+        with pytest.raises(JobSpecError, match=where.replace(".", r"\.")):
+            load_spec({**base, **change})
+    with pytest.raises(JobSpecError, match="tenant: required"):
+        load_spec({k: v for k, v in base.items() if k != "tenant"})
+    assert load_spec(json.dumps(base)).tenant == "acme"
+    assert load_spec("name: j\ntenant: acme\nkind: eval\nhead: {kind: l1_chunk, action_dim: 4, horizon: 4}\n"
+                     "eval: {episodes: 2}\n").eval.episodes == 2
+
+
+def test_master_runs_an_sft_job_with_checkpoints_and_resumes(runtime, demos, tmp_path):
+    master = MasterService(runtime, tmp_path)
+    spec = {"name": "sft-acme", "tenant": "sft-acme", "kind": "sft", "head": {**HEAD, "kind": "l1_chunk"},
+            "sft": {"dataset": str(demos), "steps": 6, "batch_size": 4,
+                    "camera_map": {"observation.images.agentview": "agentview", "observation.images.wrist": "wrist"}},
+            "eval": {"episodes": 2, "n_envs": 2, "env": {"task": ENV.task, "image_size": 16, "max_steps": 6}},
+            "checkpoint_every": 2}
+    job = master.wait(master.submit(spec), 300)
+    assert job.state == "succeeded", job.error
+    res = json.loads((tmp_path / "sft-acme" / "result.json").read_text())
+    assert res["sft"]["steps"] == 6 and res["policy_version"] == 6 and "before" in res and "after" in res
+    rows = list(csv.DictReader((tmp_path / "sft-acme" / "metrics.csv").open()))
+    assert [int(r["step"]) for r in rows] == list(range(1, 7)) and all(float(r["loss"]) > 0 for r in rows)
+    with pytest.raises(JobSpecError, match="backbone"):
+        master.submit({**spec, "backbone": "small"})
+
+    # a second service: the job's checkpoint says step 4 of 8; it resumes there, not from 0
+    state = tmp_path / "sft-acme" / "state.json"
+    state.write_text(json.dumps({"phase": "sft", "step": 4, "env_steps": 0}))
+    runtime.training.runner.remove_slot("sft-acme")
+    runtime._recipes.pop("sft-acme", None)
+    job = master.wait(master.submit({**spec, "sft": {**spec["sft"], "steps": 8}, "eval": None}), 300)
+    assert job.state == "succeeded", job.error
+    rows = list(csv.DictReader((tmp_path / "sft-acme" / "metrics.csv").open()))
+    assert [int(r["step"]) for r in rows][6:] == [5, 6, 7, 8]
+    assert job.result["policy_version"] == 10  # version 6 from the checkpoint, then 4 more steps
+
+
+def test_a_failing_job_fails_alone_and_cancel_stops_a_job(runtime, tmp_path):
+    master = MasterService(runtime, tmp_path)
+    bad = master.submit({"name": "bad", "tenant": "bad", "kind": "sft", "head": HEAD,
+                         "sft": {"dataset": str(tmp_path / "missing"), "steps": 2}})
+    rl = master.submit({"name": "long", "tenant": "long", "kind": "rl", "head": HEAD,
+                        "rl": {"env": {"task": ENV.task, "image_size": 16, "max_steps": 12, "n_action_steps": 2},
+                               "env_steps": 10**6, "n_envs": 2, "sub_batches": 1, "segment_steps": 4}})
+    master.wait(bad, 120)
+    assert bad.state == "failed" and "missing" in bad.error
+    import time
+
+    deadline = time.monotonic() + 120
+    while rl.progress.get("phase") != "rl" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    master.cancel(rl)
+    master.wait(rl, 120)
+    assert rl.state == "cancelled" and [s for _, s in rl.transitions] == ["queued", "running", "cancelled"]

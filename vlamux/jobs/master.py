@@ -1,0 +1,223 @@
+"""The Master Service: compiles job specs into workflow runs on the shared services and tracks them.
+
+A job's life, in one place (`_run`): create the tenant's slot (from the dataset's statistics when
+it learns from demonstrations) -> resume from its own last checkpoint if it has one, else start from
+`init_from` -> evaluate (before) -> SFT and/or RL, checkpointing every `checkpoint_every` steps and
+appending a row per step to metrics.csv -> evaluate (after) -> result.json. Jobs of many tenants run
+at once, each on its own thread; their requests meet in the services' queues.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from vlamux.errors import VlamuxError
+from vlamux.jobs.spec import JobSpec, JobSpecError, load_spec
+from vlamux.workflows.evaluate import evaluate
+from vlamux.workflows.rl import RLRun
+from vlamux.workflows.sft import SFTRun
+
+log = logging.getLogger(__name__)
+
+METRIC_FIELDS = ["time_s", "phase", "step", "loss", "success_rate", "env_steps", "env_steps_per_s",
+                 "policy_version", "staleness"]
+
+
+class JobCancelled(VlamuxError):
+    pass
+
+
+@dataclasses.dataclass
+class Job:
+    id: str
+    spec: JobSpec
+    dir: Path
+    state: str = "queued"  # queued | running | succeeded | failed | cancelled
+    progress: dict = dataclasses.field(default_factory=dict)
+    result: dict | None = None
+    error: str | None = None
+    transitions: list = dataclasses.field(default_factory=list)  # (wall time, state)
+    cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+    def _set(self, state: str) -> None:
+        self.state = state
+        self.transitions.append((time.time(), state))
+
+
+class MasterService:
+    def __init__(self, services, workdir: str | Path = "runs"):
+        self.services = services
+        self.workdir = Path(workdir)
+        self.jobs: dict[str, Job] = {}
+        self._lock = threading.Lock()
+
+    # ---- API ----------------------------------------------------------------------------------------
+    def submit(self, spec: JobSpec | dict | str | Path) -> Job:
+        spec = spec if isinstance(spec, JobSpec) else load_spec(spec)
+        preset = getattr(self.services.config.backbone, "preset", None)
+        if spec.backbone != preset:
+            raise JobSpecError(f"backbone: this service runs the {preset!r} backbone, the spec asks for "
+                               f"{spec.backbone!r}")
+        with self._lock:
+            if any(j.spec.tenant == spec.tenant and j.state in ("queued", "running") for j in self.jobs.values()):
+                raise JobSpecError(f"tenant: {spec.tenant!r} already has a running job (one slot per tenant)")
+            job = Job(uuid.uuid4().hex[:12], spec, self.workdir / spec.name)
+            self.jobs[job.id] = job
+        job._set("queued")
+        job.thread = threading.Thread(target=self._run, args=(job,), name=f"vlamux-job-{spec.name}", daemon=True)
+        job.thread.start()
+        return job
+
+    def wait(self, job: Job, timeout_s: float | None = None) -> Job:
+        job.thread.join(timeout_s)
+        if job.thread.is_alive():
+            raise TimeoutError(f"job {job.spec.name} still {job.state} after {timeout_s}s")
+        return job
+
+    def cancel(self, job: Job) -> None:
+        job.cancel.set()
+
+    # ---- a job's life ----------------------------------------------------------------------------------
+    def _run(self, job: Job) -> None:
+        spec, svc = job.spec, self.services
+        job.dir.mkdir(parents=True, exist_ok=True)
+        (job.dir / "spec.json").write_text(json.dumps(spec.to_dict(), indent=1, default=str))
+        ckpt, state_file = job.dir / "checkpoint.safetensors", job.dir / "state.json"
+        resume = json.loads(state_file.read_text()) if state_file.exists() and ckpt.exists() else None
+        job._set("running")
+        t0 = time.monotonic()
+        metrics = _MetricsFile(job.dir / "metrics.csv", append=resume is not None)
+        try:
+            sft = None
+            stats = None
+            if spec.sft is not None and (resume is None or resume["phase"] == "sft"):
+                sft = SFTRun(svc, spec.tenant, spec.head.horizon, spec.sft)
+                stats = sft.open(_stats_mode(spec))
+            svc.create_slot(spec.tenant, spec.head, spec.optimizer, spec.seed, stats).result(120)
+            if resume is not None:
+                svc.load_state(spec.tenant, ckpt).result(120)
+                log.info("job %s resumes from %s (%s)", spec.name, ckpt, resume)
+            elif spec.init_from:
+                svc.load_state(spec.tenant, spec.init_from).result(120)
+            result = {"name": spec.name, "tenant": spec.tenant, "kind": spec.kind}
+            if spec.eval is not None and spec.eval.before and resume is None:
+                result["before"] = self._evaluate(job)
+
+            def checkpoint(phase: str, step: int, env_steps: int = 0) -> None:
+                svc.save_state(spec.tenant, ckpt).result(120)
+                _write_json(state_file, {"phase": phase, "step": step, "env_steps": env_steps})
+
+            if sft is not None:
+                result["sft"] = self._sft(job, sft, metrics, checkpoint, resume)
+            if spec.kind == "rl":
+                result["rl"] = self._rl(job, metrics, checkpoint, resume)
+            if spec.eval is not None:
+                result["after"] = self._evaluate(job)
+            result["wall_s"] = time.monotonic() - t0
+            result["policy_version"] = svc.training.version(spec.tenant)
+            job.result = result
+            _write_json(job.dir / "result.json", result)
+            job._set("succeeded")
+        except JobCancelled:
+            job._set("cancelled")
+        except Exception as e:  # noqa: BLE001 - the job fails, the service goes on
+            log.exception("job %s failed", spec.name)
+            job.error = f"{type(e).__name__}: {e}"
+            job._set("failed")
+        finally:
+            metrics.close()
+
+    def _check(self, job: Job) -> None:
+        if job.cancel.is_set():
+            raise JobCancelled(f"job {job.spec.name} was cancelled")
+
+    def _sft(self, job: Job, run: SFTRun, metrics, checkpoint, resume) -> dict:
+        spec, t0 = job.spec, time.monotonic()
+        start = resume["step"] if resume else 0
+
+        def on_step(st) -> None:
+            self._check(job)
+            job.progress = {"phase": "sft", "step": st.step, "of": spec.sft.steps, "loss": st.losses[-1],
+                            "policy_version": st.version}
+            metrics.row(phase="sft", step=st.step, loss=st.losses[-1], policy_version=st.version)
+            if st.step % spec.checkpoint_every == 0 or st.step == spec.sft.steps:
+                checkpoint("sft" if st.step < spec.sft.steps else "sft-done", st.step)
+
+        run.on_step = on_step
+        st = run.run(start)
+        return {"steps": st.step, "final_loss": st.losses[-1] if st.losses else None, "wall_s": time.monotonic() - t0}
+
+    def _rl(self, job: Job, metrics, checkpoint, resume) -> dict:
+        spec = job.spec
+        done = resume["env_steps"] if resume and resume["phase"] == "rl" else 0
+        cfg = dataclasses.replace(spec.rl, env_steps=max(0, spec.rl.env_steps - done))
+        run = RLRun(self.services, spec.tenant, cfg)
+        t0 = time.monotonic()
+
+        def on_progress(st) -> None:
+            self._check(job)
+            wall = max(time.monotonic() - st.started, 1e-9)
+            rate = st.success_rate()
+            job.progress = {"phase": "rl", "env_steps": done + st.env_steps, "of": spec.rl.env_steps,
+                            "success_rate": rate, "policy_version": st.version,
+                            "staleness": st.lags[-1] if st.lags else 0, "env_steps_per_s": st.env_steps / wall,
+                            "loss": st.losses[-1] if st.losses else None}
+            metrics.row(phase="rl", step=st.segments_trained, loss=job.progress["loss"], success_rate=rate,
+                        env_steps=done + st.env_steps, env_steps_per_s=st.env_steps / wall, policy_version=st.version,
+                        staleness=job.progress["staleness"])
+            if st.segments_trained and st.segments_trained % spec.checkpoint_every == 0:
+                checkpoint("rl", st.segments_trained, done + st.env_steps)
+
+        run.on_progress = on_progress
+        st = run.run()
+        wall = time.monotonic() - t0
+        return {"env_steps": done + st.env_steps, "episodes": len(st.episodes), "success_rate": st.success_rate(),
+                "segments_trained": st.segments_trained, "segments_dropped": st.segments_dropped,
+                "rows_dropped": st.rows_dropped, "max_staleness_seen": max(st.lags, default=0),
+                "env_steps_per_s": st.env_steps / max(wall, 1e-9), "curve": st.episodes, "lane_busy_s": st.lane_busy_s}
+
+    def _evaluate(self, job: Job) -> dict:
+        spec, ev = job.spec, job.spec.eval
+        env = ev.env or spec.env
+        if env is None:
+            raise JobSpecError("eval.env: an sft job's evaluation needs an env spec")
+        tasks = ev.tasks or [env.task]
+        job.progress = {"phase": "eval", "tasks": tasks}
+        return evaluate(self.services, spec.tenant, env, tasks, ev.episodes, seed=ev.seed, n_envs=ev.n_envs)
+
+
+def _stats_mode(spec: JobSpec) -> str:
+    return "min_max" if spec.head.kind == "bins" else "mean_std"
+
+
+class _MetricsFile:
+    """Per-step metrics as CSV (one row per step, flushed as it goes), for plotting."""
+
+    def __init__(self, path: Path, append: bool):
+        new = not (append and path.exists())
+        self._f = path.open("w" if new else "a", newline="")
+        self._w = csv.DictWriter(self._f, METRIC_FIELDS)
+        if new:
+            self._w.writeheader()
+        self._t0 = time.monotonic()
+
+    def row(self, **values) -> None:
+        self._w.writerow({"time_s": round(time.monotonic() - self._t0, 3), **values})
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _write_json(path: Path, data) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)

@@ -1,0 +1,169 @@
+"""A tenant's intent as a job spec: YAML or JSON, validated, every error naming its field.
+
+    name: acme-touch
+    tenant: acme
+    kind: rl                      # sft | rl | eval
+    backbone: tiny                # must be the service's backbone preset
+    head: {kind: gaussian, action_dim: 4, horizon: 4, state_dim: 8}
+    optimizer: {lr: 1.0e-4}
+    rl: {env: {task: goal/touch-red-cube, image_size: 32, n_action_steps: 2}, env_steps: 20000}
+    eval: {tasks: [goal/touch-red-cube], episodes: 20}
+    checkpoint_every: 10          # optimizer steps (SFT) or trained segments (RL)
+    init_from: runs/sft/acme/checkpoint.safetensors   # optional: start from this slot file
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vlamux.envs import EnvSpec
+from vlamux.errors import InvalidInputError, VlamuxError
+from vlamux.model import HeadSpec, OptimizerSpec
+from vlamux.workflows.rl import RLConfig
+from vlamux.workflows.sft import SFTConfig
+
+
+class JobSpecError(InvalidInputError):
+    pass
+
+
+@dataclass
+class EvalSpec:
+    tasks: list = field(default_factory=list)  # default: the job's own env task
+    episodes: int = 20
+    n_envs: int = 4
+    seed: int = 10_000
+    before: bool = True  # evaluate before training too (the "before" of before/after)
+    env: EnvSpec | None = None  # default: the job's RL env
+
+
+@dataclass
+class JobSpec:
+    name: str
+    tenant: str
+    kind: str  # sft | rl | eval
+    head: HeadSpec
+    backbone: str = "tiny"
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    sft: SFTConfig | None = None
+    rl: RLConfig | None = None
+    eval: EvalSpec | None = None
+    checkpoint_every: int = 10
+    init_from: str | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.kind not in ("sft", "rl", "eval"):
+            raise JobSpecError(f"kind: expected 'sft', 'rl' or 'eval', got {self.kind!r}")
+        if self.kind == "sft" and self.sft is None:
+            raise JobSpecError("sft: an sft job needs an 'sft' section (dataset, steps, ...)")
+        if self.kind == "rl" and self.rl is None:
+            raise JobSpecError("rl: an rl job needs an 'rl' section (env, algorithm, env_steps, ...)")
+        if self.kind == "eval" and self.eval is None:
+            raise JobSpecError("eval: an eval job needs an 'eval' section (tasks, episodes)")
+        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise JobSpecError(f"name: letters, digits, '-', '_' and '.' only, got {self.name!r}")
+        if self.checkpoint_every < 1:
+            raise JobSpecError(f"checkpoint_every: expected >= 1, got {self.checkpoint_every}")
+
+    @property
+    def env(self) -> EnvSpec | None:
+        return self.rl.env if self.rl is not None else None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def load_spec(source: str | Path | dict) -> JobSpec:
+    """A JobSpec from a dict, a YAML/JSON file path, or YAML/JSON text."""
+    if isinstance(source, dict):
+        data = source
+    else:
+        text = Path(source).read_text() if Path(str(source)).suffix in (".yaml", ".yml", ".json") else str(source)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            import yaml
+
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise JobSpecError(f"spec: neither JSON nor YAML ({e})") from None
+    if not isinstance(data, dict):
+        raise JobSpecError(f"spec: expected a mapping, got {type(data).__name__}")
+    return build(JobSpec, data, "")
+
+
+def build(cls, data, where: str):
+    """Build dataclass `cls` from plain data, checking names and types; errors name the field path."""
+    if not isinstance(data, dict):
+        raise JobSpecError(f"{where or 'spec'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise JobSpecError(f"{_join(where, unknown[0])}: unknown field; allowed: {', '.join(sorted(fields))}")
+    missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise JobSpecError(f"{_join(where, missing[0])}: required")
+    kwargs = {name: _value(hints[name], value, _join(where, name)) for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except JobSpecError:
+        raise
+    except (ValueError, TypeError, VlamuxError) as e:
+        msg = str(e)
+        head = msg.split(":", 1)[0]
+        if where and head.replace("_", "").replace(".", "").isalnum():  # "field: why" -> "where.field: why"
+            raise JobSpecError(f"{where}.{msg}") from None
+        raise JobSpecError(f"{where or 'spec'}: {msg}") from None
+
+
+def _value(hint, value, where: str):
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _value(options[0], value, where)
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, where)
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise JobSpecError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise JobSpecError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise JobSpecError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise JobSpecError(f"{where}: expected a string, got {value!r}")
+        return value
+    if hint is tuple or origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise JobSpecError(f"{where}: expected a list, got {value!r}")
+        return tuple(value)
+    if hint is list or origin is list:
+        if not isinstance(value, list):
+            raise JobSpecError(f"{where}: expected a list, got {value!r}")
+        return value
+    if hint is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise JobSpecError(f"{where}: expected a mapping, got {value!r}")
+        return value
+    return value
+
+
+def _join(where: str, name: str) -> str:
+    return f"{where}.{name}" if where else name

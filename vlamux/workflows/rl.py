@@ -1,0 +1,349 @@
+"""RL on the four-lane asynchronous pipeline (D-VLA), and the synchronous baseline, from the same parts.
+
+Lanes, each on its own thread(s), meeting only through queues:
+
+1. sampling   — a `Sampler` per sub-batch of environments steps its envs (Environment Service);
+2. inference  — its action chunks come from the Inference Queue (`services.predict`), each stamped
+                with the policy version that produced it;
+3. training   — `Learner` consumes filled segments, computes advantages (GAE for PPO, group-normalised
+                returns for GRPO) and updates the tenant's slot through the Training Queue;
+4. distribution — every optimizer step's new version reaches the inference replicas through the
+                control plane's own thread (`PolicyPublisher`), never the data plane.
+
+Staleness is bounded twice: producers wait while `max_staleness` segments are being filled, waiting or
+being trained (and the segment pool is finite), and the learner leaves out every step whose action
+came from a version more than `max_staleness` behind its own. What staleness remains is corrected by decoupled PPO
+(`vlamux.model.policy_loss`) from the behaviour log-probs stored per step.
+
+The synchronous mode runs the same samplers and learner in phases — roll out every sub-batch, train,
+wait until the new weights reached inference — as RLinf and most VLA RL stacks do.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vlamux.envs import EnvSpec
+from vlamux.errors import VlamuxError
+from vlamux.model.policy_loss import PolicyLoss
+from vlamux.services.environment import obs_to_observation
+from vlamux.workflows.advantages import gae, group_advantages
+from vlamux.workflows.rollout import Segment, SegmentPool, SegmentShape, replace_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RLConfig:
+    env: EnvSpec = field(default_factory=EnvSpec)
+    algorithm: str = "ppo"  # ppo | grpo
+    mode: str = "async"  # async (four lanes) | sync (phases)
+    env_steps: int = 2000  # budget: simulator steps over all envs
+    n_envs: int = 4  # per sub-batch
+    sub_batches: int = 2
+    env_workers: int = 1  # worker processes per sub-batch
+    segment_steps: int = 16  # vectorised steps per segment (GRPO: long enough for an episode)
+    group_size: int = 4  # GRPO: envs reset to the same state
+    gamma: float = 0.99
+    lam: float = 0.95
+    clip_eps: float = 0.2
+    max_is_weight: float = 2.0
+    value_coef: float = 0.5
+    entropy_coef: float = 0.0
+    epochs: int = 1  # passes over a segment; one optimizer step each
+    minibatch_rows: int = 64
+    max_staleness: int = 2  # versions a segment's oldest action may lag the learner
+    deterministic: bool = False
+    seed: int = 0
+    timeout_s: float = 120.0  # bound on any single service call
+
+    def __post_init__(self):
+        if self.algorithm not in ("ppo", "grpo"):
+            raise VlamuxError(f"algorithm: expected 'ppo' or 'grpo', got {self.algorithm!r}")
+        if self.mode not in ("async", "sync"):
+            raise VlamuxError(f"mode: expected 'async' or 'sync', got {self.mode!r}")
+        if self.algorithm == "grpo" and self.n_envs % self.group_size:
+            raise VlamuxError(f"group_size: {self.group_size} must divide n_envs ({self.n_envs})")
+
+
+@dataclass
+class Stats:
+    """What a run did, updated live by the lanes (read it for progress)."""
+
+    env_steps: int = 0
+    episodes: list = field(default_factory=list)  # (env_steps at the end, success)
+    segments_trained: int = 0
+    segments_dropped: int = 0  # nothing fresh enough (or, GRPO, no group with signal) left to train on
+    rows_dropped: int = 0  # steps older than max_staleness versions, left out
+    lags: list = field(default_factory=list)
+    losses: list = field(default_factory=list)
+    version: int = 0
+    started: float = field(default_factory=time.monotonic)
+    lane_busy_s: dict = field(default_factory=lambda: {"sampling": 0.0, "inference": 0.0, "training": 0.0})
+
+    def success_rate(self, last: int = 50) -> float | None:
+        recent = self.episodes[-last:]
+        return sum(s for _, s in recent) / len(recent) if recent else None
+
+
+class Sampler:
+    """Lanes 1 and 2 for one sub-batch: step the envs, ask the Inference Queue for each chunk."""
+
+    def __init__(self, services, tenant: str, cfg: RLConfig, index: int, stats: Stats, lock: threading.Lock):
+        self.services, self.tenant, self.cfg, self.index = services, tenant, cfg, index
+        self.stats, self.lock = stats, lock
+        self.env = services.environment
+        self.sid = self.env.open_session(tenant, cfg.env, cfg.n_envs, seed=cfg.seed + 1000 * index,
+                                         n_workers=cfg.env_workers, timeout_s=cfg.timeout_s)
+        self.obs = None
+        self.pending = None  # the chunk for the current observations, asked for ahead of time
+        self.episode = 0
+
+    def close(self) -> None:
+        self.env.close_session(self.tenant, self.sid)
+
+    def _timed(self, lane: str, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            with self.lock:
+                self.stats.lane_busy_s[lane] += time.perf_counter() - t0
+
+    def _predict(self, obs: dict) -> dict:
+        fut = self.services.predict(self.tenant, obs_to_observation(obs), deterministic=self.cfg.deterministic)
+        return self._timed("inference", fut.result, self.cfg.timeout_s)
+
+    def _reset(self, indices=None, seed=None) -> dict:
+        obs, _ = self._timed("sampling", self.env.reset, self.tenant, self.sid, seed=seed, indices=indices)
+        return obs
+
+    def _reset_groups(self) -> None:
+        """GRPO: every group's envs start from one state (sub-env i is seeded seed + i, so shift)."""
+        cfg = self.cfg
+        base = cfg.seed + 1_000_003 * (self.index + 1) + 7919 * self.episode
+        self.episode += 1
+        rows = [self._reset([i], base + (i // cfg.group_size) * 104_729 - i) for i in range(cfg.n_envs)]
+        self.obs = {"images": {c: np.concatenate([r["images"][c] for r in rows]) for c in rows[0]["images"]},
+                    "state": np.concatenate([r["state"] for r in rows]),
+                    "instruction": [s for r in rows for s in r["instruction"]]}
+        self.pending = None
+
+    def fill(self, seg: Segment, fresh_policy: bool) -> None:
+        """Run one segment into `seg`. fresh_policy: ask for the first chunk now (sync mode acts with
+        the weights it just trained) rather than use the one asked for at the end of the last segment."""
+        cfg = self.cfg
+        n = cfg.n_envs
+        grpo = cfg.algorithm == "grpo"
+        if grpo:
+            self._reset_groups()
+            seg.group = np.arange(n) // cfg.group_size
+        elif self.obs is None:
+            self.obs = self._reset()
+        if fresh_policy or self.pending is None:
+            self.pending = self._predict(self.obs)
+        executed = cfg.env.n_action_steps
+        alive = torch.ones(n, dtype=torch.bool)
+        for t in range(cfg.segment_steps):
+            out = self.pending
+            seg.store(t, self.obs, out, executed)
+            obs, reward, term, trunc, infos = self._timed("sampling", self.env.step, self.tenant, self.sid,
+                                                          out["actions"].numpy())
+            done = np.asarray(term) | np.asarray(trunc)
+            seg.reward[t].copy_(torch.as_tensor(reward, dtype=torch.float32))
+            seg.done[t].copy_(torch.as_tensor(done))
+            seg.valid[t].copy_(alive)
+            finished = np.flatnonzero(done)
+            with self.lock:
+                self.stats.env_steps += n * executed
+                for i in finished:
+                    if not grpo or alive[i]:
+                        self.stats.episodes.append((self.stats.env_steps, bool(infos[i].get("is_success", False))))
+            if grpo:
+                alive &= ~torch.as_tensor(done)
+            if len(finished):
+                obs = replace_rows(obs, finished, self._reset(finished.tolist()))
+            self.obs = obs
+            self.pending = self._predict(obs)
+        seg.last_value.copy_(self.pending["value"])
+        seg.source = f"sub-batch {self.index}"
+
+
+class Learner:
+    """Lane 3: advantages and updates through the Training Queue, one optimizer step per epoch."""
+
+    def __init__(self, services, tenant: str, cfg: RLConfig, stats: Stats, lock: threading.Lock):
+        self.services, self.tenant, self.cfg, self.stats, self.lock = services, tenant, cfg, stats, lock
+        self.gen = torch.Generator().manual_seed(cfg.seed)
+
+    def train(self, seg: Segment) -> None:
+        cfg, t0 = self.cfg, time.perf_counter()
+        version = self.services.training.version(self.tenant)
+        valid = seg.valid.clone()
+        if cfg.algorithm == "grpo":
+            ep_return = (seg.reward * seg.valid).sum(0)
+            adv_env, keep = group_advantages(ep_return, torch.as_tensor(seg.group))
+            adv, returns = adv_env.expand_as(seg.reward).clone(), None
+            valid &= keep
+        else:
+            adv, ret = gae(seg.reward, seg.value, seg.done, seg.last_value, cfg.gamma, cfg.lam)
+            returns = ret.flatten()
+        fresh = seg.version >= version - cfg.max_staleness  # the consumer's filter, per step
+        rows = torch.nonzero((valid & fresh).flatten()).squeeze(1)
+        with self.lock:
+            self.stats.lags.append(version - int(seg.version[valid].min()) if valid.any() else 0)
+            self.stats.rows_dropped += int((valid & ~fresh).sum())
+        if len(rows) == 0:
+            with self.lock:
+                self.stats.segments_dropped += 1
+            return
+        adv = adv.flatten()
+        if cfg.algorithm == "ppo":
+            adv = (adv - adv[rows].mean()) / (adv[rows].std(unbiased=False) + 1e-6)
+        actions = seg.actions.flatten(0, 1)
+        horizon = actions.shape[1]
+        mask = torch.zeros(horizon, dtype=torch.bool)
+        mask[: cfg.env.n_action_steps] = True
+        behaviour, versions = seg.log_prob.flatten(), seg.version.flatten()
+        proximal = torch.zeros_like(behaviour)
+        losses = []
+        for epoch in range(cfg.epochs):
+            order = rows[torch.randperm(len(rows), generator=self.gen)]
+            futures = []
+            for mb in torch.split(order, cfg.minibatch_rows):
+                loss = PolicyLoss(behaviour[mb], adv[mb], None if returns is None else returns[mb],
+                                  proximal_log_prob=proximal[mb] if epoch else None, clip_eps=cfg.clip_eps,
+                                  max_is_weight=cfg.max_is_weight, value_coef=cfg.value_coef,
+                                  entropy_coef=cfg.entropy_coef)
+                futures.append((mb, self.services.forward_backward(
+                    self.tenant, seg.rows(mb), actions[mb], mask.expand(len(mb), -1).clone(),
+                    policy_version=int(versions[mb].min()), loss=loss)))
+            step = self.services.optim_step(self.tenant)
+            for mb, fut in futures:
+                out = fut.result(cfg.timeout_s)
+                losses.append(out["loss"])
+                if epoch == 0:
+                    proximal[mb] = out["log_prob"]
+            new_version = step.result(cfg.timeout_s)["policy_version"]
+        with self.lock:
+            self.stats.segments_trained += 1
+            self.stats.version = new_version
+            self.stats.losses.append(float(np.mean(losses)))
+            self.stats.lane_busy_s["training"] += time.perf_counter() - t0
+
+
+class RLRun:
+    """One tenant's RL job on the services. `run()` returns its Stats; `on_progress(stats)` is called
+    after every trained segment."""
+
+    def __init__(self, services, tenant: str, cfg: RLConfig, on_progress=None):
+        self.services, self.tenant, self.cfg = services, tenant, cfg
+        self.on_progress = on_progress or (lambda stats: None)
+        self.stats = Stats()
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._errors: list[BaseException] = []
+
+    def run(self) -> Stats:
+        cfg = self.cfg
+        samplers = [Sampler(self.services, self.tenant, cfg, i, self.stats, self.lock) for i in range(cfg.sub_batches)]
+        try:
+            shape = self._shape(samplers[0])
+            learner = Learner(self.services, self.tenant, cfg, self.stats, self.lock)
+            self.stats.started = time.monotonic()
+            if cfg.mode == "sync":
+                self._run_sync(samplers, learner, SegmentPool(shape, cfg.sub_batches))
+            else:
+                self._run_async(samplers, learner, SegmentPool(shape, cfg.sub_batches + 1))
+        finally:
+            for s in samplers:
+                try:
+                    s.close()
+                except Exception:  # noqa: BLE001 - closing is best effort; the reaper gets the rest
+                    log.exception("closing a sampler's env session")
+        if self._errors:
+            raise self._errors[0]
+        return self.stats
+
+    def _shape(self, sampler: Sampler) -> SegmentShape:
+        obs = sampler.obs = sampler._reset()
+        probe = sampler._predict(obs)
+        sampler.pending = probe
+        _, h, a = probe["actions"].shape
+        return SegmentShape(self.cfg.segment_steps, self.cfg.n_envs,
+                            {c: tuple(v.shape[-2:]) for c, v in obs["images"].items()}, obs["state"].shape[-1], h, a)
+
+    def _budget_left(self) -> bool:
+        with self.lock:
+            return self.stats.env_steps < self.cfg.env_steps and not self._errors
+
+    def _run_sync(self, samplers, learner, pool: SegmentPool) -> None:
+        while self._budget_left():
+            segs = [pool.acquire(self.cfg.timeout_s) for _ in samplers]
+            threads = [threading.Thread(target=self._guard, args=(s.fill, seg, True)) for s, seg in zip(samplers, segs)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+            if self._errors:
+                break
+            for seg in segs:  # then train ...
+                learner.train(seg)
+                pool.release(seg)
+            t0 = time.perf_counter()
+            self.services.publisher.flush(self.cfg.timeout_s)  # ... then wait for the weights to reach inference
+            self.stats.lane_busy_s.setdefault("distribution_wait", 0.0)
+            self.stats.lane_busy_s["distribution_wait"] += time.perf_counter() - t0
+            self.on_progress(self.stats)
+
+    def _run_async(self, samplers, learner, pool: SegmentPool) -> None:
+        ready: queue.Queue[Segment] = queue.Queue()
+        # producer throttle: at most max_staleness segments between their first action and their update
+        waiting = threading.Semaphore(max(1, self.cfg.max_staleness))
+
+        def sample_lane(sampler: Sampler) -> None:
+            while self._budget_left() and not self._stop.is_set():
+                if not waiting.acquire(timeout=0.5):
+                    continue
+                seg = pool.acquire(0.5)
+                if seg is None:
+                    waiting.release()
+                    continue
+                sampler.fill(seg, fresh_policy=False)
+                ready.put(seg)
+
+        threads = [threading.Thread(target=self._guard, args=(sample_lane, s), name=f"vlamux-sampler-{i}",
+                                    daemon=True) for i, s in enumerate(samplers)]
+        for th in threads:
+            th.start()
+        try:
+            while any(th.is_alive() for th in threads) or not ready.empty():
+                try:
+                    seg = ready.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                try:
+                    learner.train(seg)
+                finally:
+                    pool.release(seg)
+                    waiting.release()
+                self.on_progress(self.stats)
+        finally:
+            self._stop.set()
+            for th in threads:
+                th.join(self.cfg.timeout_s)
+
+    def _guard(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except BaseException as e:  # noqa: BLE001 - raised from run() on the caller's thread
+            log.exception("RL lane of tenant %r failed", self.tenant)
+            self._errors.append(e)
+            self._stop.set()
