@@ -32,6 +32,7 @@ import torch
 
 from vlamux.envs import EnvSpec
 from vlamux.errors import VlamuxError
+from vlamux.model.batch import Observation
 from vlamux.model.policy_loss import PolicyLoss
 from vlamux.services.environment import obs_to_observation
 from vlamux.workflows.advantages import gae, group_advantages
@@ -183,39 +184,28 @@ class Learner:
         self.services, self.tenant, self.cfg, self.stats, self.lock = services, tenant, cfg, stats, lock
         self.gen = torch.Generator().manual_seed(cfg.seed)
 
-    def train(self, seg: Segment) -> None:
+    def train(self, segs: list[Segment]) -> None:
+        """One update (an optimizer step per epoch) on the rows of `segs` that are fresh enough."""
         cfg, t0 = self.cfg, time.perf_counter()
         version = self.services.training.version(self.tenant)
-        valid = seg.valid.clone()
-        if cfg.algorithm == "grpo":
-            ep_return = (seg.reward * seg.valid).sum(0)
-            adv_env, keep = group_advantages(ep_return, torch.as_tensor(seg.group))
-            adv, returns = adv_env.expand_as(seg.reward).clone(), None
-            valid &= keep
-        else:
-            adv, ret = gae(seg.reward, seg.value, seg.done, seg.last_value, cfg.gamma, cfg.lam)
-            returns = ret.flatten()
-        fresh = seg.version >= version - cfg.max_staleness  # the consumer's filter, per step
-        rows = torch.nonzero((valid & fresh).flatten()).squeeze(1)
-        with self.lock:
-            self.stats.lags.append(version - int(seg.version[valid].min()) if valid.any() else 0)
-            self.stats.rows_dropped += int((valid & ~fresh).sum())
-        if len(rows) == 0:
-            with self.lock:
-                self.stats.segments_dropped += 1
+        parts = [self._rows(seg, version) for seg in segs]
+        parts = [p for p in parts if p is not None]
+        if not parts:
             return
-        adv = adv.flatten()
+        obs_of = [(seg, rows) for seg, rows, *_ in parts]
+        actions = torch.cat([a for _, _, a, _, _, _, _ in parts])
+        behaviour = torch.cat([b for *_, b, _, _, _ in parts])
+        adv = torch.cat([a for *_, a, _, _ in parts])
+        returns = None if cfg.algorithm == "grpo" else torch.cat([r for *_, r, _ in parts])
+        versions = torch.cat([v for *_, v in parts])
         if cfg.algorithm == "ppo":
-            adv = (adv - adv[rows].mean()) / (adv[rows].std(unbiased=False) + 1e-6)
-        actions = seg.actions.flatten(0, 1)
-        horizon = actions.shape[1]
-        mask = torch.zeros(horizon, dtype=torch.bool)
+            adv = (adv - adv.mean()) / (adv.std(unbiased=False) + 1e-6)
+        mask = torch.zeros(actions.shape[1], dtype=torch.bool)
         mask[: cfg.env.n_action_steps] = True
-        behaviour, versions = seg.log_prob.flatten(), seg.version.flatten()
         proximal = torch.zeros_like(behaviour)
         losses = []
         for epoch in range(cfg.epochs):
-            order = rows[torch.randperm(len(rows), generator=self.gen)]
+            order = torch.randperm(len(behaviour), generator=self.gen)
             futures = []
             for mb in torch.split(order, cfg.minibatch_rows):
                 loss = PolicyLoss(behaviour[mb], adv[mb], None if returns is None else returns[mb],
@@ -223,7 +213,7 @@ class Learner:
                                   max_is_weight=cfg.max_is_weight, value_coef=cfg.value_coef,
                                   entropy_coef=cfg.entropy_coef)
                 futures.append((mb, self.services.forward_backward(
-                    self.tenant, seg.rows(mb), actions[mb], mask.expand(len(mb), -1).clone(),
+                    self.tenant, _observations(obs_of, mb), actions[mb], mask.expand(len(mb), -1).clone(),
                     policy_version=int(versions[mb].min()), loss=loss)))
             step = self.services.optim_step(self.tenant)
             for mb, fut in futures:
@@ -233,10 +223,51 @@ class Learner:
                     proximal[mb] = out["log_prob"]
             new_version = step.result(cfg.timeout_s)["policy_version"]
         with self.lock:
-            self.stats.segments_trained += 1
+            self.stats.segments_trained += len(parts)
             self.stats.version = new_version
             self.stats.losses.append(float(np.mean(losses)))
             self.stats.lane_busy_s["training"] += time.perf_counter() - t0
+
+    def _rows(self, seg: Segment, version: int):
+        """(seg, flat rows, actions, behaviour log-probs, advantages, returns, versions) of the
+        segment's trainable rows, or None (counted as dropped) when none is left."""
+        cfg = self.cfg
+        valid = seg.valid.clone()
+        if cfg.algorithm == "grpo":
+            ep_return = (seg.reward * seg.valid).sum(0)
+            adv_env, keep = group_advantages(ep_return, torch.as_tensor(seg.group))
+            adv, ret = adv_env.expand_as(seg.reward).clone(), torch.zeros_like(seg.reward)
+            valid &= keep
+        else:
+            adv, ret = gae(seg.reward, seg.value, seg.done, seg.last_value, cfg.gamma, cfg.lam)
+        fresh = seg.version >= version - cfg.max_staleness  # the consumer's filter, per step
+        rows = torch.nonzero((valid & fresh).flatten()).squeeze(1)
+        with self.lock:
+            self.stats.lags.append(version - int(seg.version[valid].min()) if valid.any() else 0)
+            self.stats.rows_dropped += int((valid & ~fresh).sum())
+            if len(rows) == 0:
+                self.stats.segments_dropped += 1
+        if len(rows) == 0:
+            return None
+        return (seg, rows, seg.actions.flatten(0, 1)[rows], seg.log_prob.flatten()[rows], adv.flatten()[rows],
+                ret.flatten()[rows], seg.version.flatten()[rows])
+
+
+def _observations(parts: list, idx: torch.Tensor):
+    """The Observation of rows `idx` of the concatenation of each (segment, rows) part."""
+    offsets, start = [], 0
+    for seg, rows in parts:
+        offsets.append(start)
+        start += len(rows)
+    pieces = []
+    for (seg, rows), off in zip(parts, offsets):
+        mine = idx[(idx >= off) & (idx < off + len(rows))] - off
+        if len(mine):
+            pieces.append(seg.rows(rows[mine]))
+    if len(pieces) == 1:
+        return pieces[0]
+    return Observation({c: torch.cat([p.images[c] for p in pieces]) for c in pieces[0].images},
+                       [s for p in pieces for s in p.instruction], torch.cat([p.state for p in pieces]))
 
 
 class RLRun:
@@ -294,8 +325,8 @@ class RLRun:
                 th.join()
             if self._errors:
                 break
-            for seg in segs:  # then train ...
-                learner.train(seg)
+            learner.train(segs)  # then train, on all of them at once ...
+            for seg in segs:
                 pool.release(seg)
             t0 = time.perf_counter()
             self.services.publisher.flush(self.cfg.timeout_s)  # ... then wait for the weights to reach inference
@@ -316,7 +347,10 @@ class RLRun:
                 if seg is None:
                     waiting.release()
                     continue
-                sampler.fill(seg, fresh_policy=False)
+                # the chunk asked for at the end of its last segment may be old by now (it waited)
+                behind = sampler.pending is not None and sampler.pending["policy_version"] < \
+                    self.services.training.version(self.tenant)
+                sampler.fill(seg, fresh_policy=behind)
                 ready.put(seg)
 
         threads = [threading.Thread(target=self._guard, args=(sample_lane, s), name=f"vlamux-sampler-{i}",
@@ -330,7 +364,7 @@ class RLRun:
                 except queue.Empty:
                     continue
                 try:
-                    learner.train(seg)
+                    learner.train([seg])
                 finally:
                     pool.release(seg)
                     waiting.release()

@@ -1,0 +1,154 @@
+"""The D-VLA experiment on this machine: env steps/s of the four-lane asynchronous RL pipeline
+against the synchronous mode (roll out, then train, then sync weights), same env, model, tenants and
+hardware, in one run; success-rate-vs-env-steps curves of both; and the overlap limit.
+
+The overlap limit is the speedup if the slowest lane were the only cost: the synchronous run's wall
+time over the largest per-lane busy time in it (sampling = the Environment Service's simulator busy
+time, inference = the Inference Model Service's, training = the Training Model Service's,
+distribution = the control plane's). On a machine whose lanes share the same few cores, overlapping
+them cannot beat that bound, and contention keeps it lower still.
+
+    python bench/async_rl.py [--quick] [--env-steps N] [--tenants K]
+Writes bench/results/async_rl.json (quick runs: async_rl_quick.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import environment, print_table, write_json  # noqa: E402
+from vlamux.envs import EnvSpec  # noqa: E402
+from vlamux.model import BackboneSpec, HeadSpec, OptimizerSpec  # noqa: E402
+from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
+from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig  # noqa: E402
+from vlamux.workflows.evaluate import wilson  # noqa: E402
+from vlamux.workflows.rl import RLConfig, RLRun  # noqa: E402
+
+
+def lane_counters(rt: EmbeddedRuntime) -> dict:
+    return {"sampling": rt.environment.utilization()["busy_s"],
+            "inference": sum(s.accounting.busy_s for s in rt.replicas.values()),
+            "training": rt.training.accounting.busy_s,
+            "distribution": rt.publisher.busy_s}
+
+
+def run_mode(rt: EmbeddedRuntime, mode: str, tenants: list[str], head: HeadSpec, cfg: RLConfig) -> dict:
+    import threading
+
+    names = [f"{t}-{mode}" for t in tenants]
+    for i, name in enumerate(names):  # every mode's tenants start from the same weights
+        rt.create_slot(name, head, OptimizerSpec(lr=cfg_lr), seed=100 + i).result(60)
+    assert rt.publisher.flush(30)
+    stats, errors = {}, []
+    before = lane_counters(rt)
+
+    def job(name, i):
+        try:
+            c = RLConfig(**{**cfg.__dict__, "mode": mode, "seed": 1000 * i})
+            stats[name] = RLRun(rt, name, c).run()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=job, args=(n, i)) for i, n in enumerate(names)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    after = lane_counters(rt)
+    busy = {k: after[k] - before[k] for k in before}
+    steps = sum(s.env_steps for s in stats.values())
+    episodes = sorted((e for s in stats.values() for e in s.episodes), key=lambda e: e[0])
+    successes = sum(ok for _, ok in episodes)
+    return {"mode": mode, "wall_s": wall, "env_steps": steps, "steps_per_s": steps / wall, "lane_busy_s": busy,
+            "episodes": len(episodes), "success_rate": successes / max(1, len(episodes)),
+            "success_ci95": wilson(successes, len(episodes)),
+            "segments_trained": sum(s.segments_trained for s in stats.values()),
+            "rows_dropped": sum(s.rows_dropped for s in stats.values()),
+            "max_lag": max((max(s.lags, default=0) for s in stats.values()), default=0),
+            "curve": curve(stats)}
+
+
+def curve(stats: dict, window: int = 20) -> list[list[float]]:
+    """(env steps per tenant, success rate over the last `window` episodes) after each episode, all tenants."""
+    eps = sorted((steps, ok) for s in stats.values() for steps, ok in s.episodes)
+    out = []
+    for i in range(len(eps)):
+        recent = eps[max(0, i - window + 1): i + 1]
+        out.append([eps[i][0], sum(ok for _, ok in recent) / len(recent)])
+    return out
+
+
+cfg_lr = 1e-4
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny budget: under a minute")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--env-steps", type=int, default=None, help="per tenant")
+    ap.add_argument("--tenants", type=int, default=2)
+    ap.add_argument("--image-size", type=int, default=None)
+    ap.add_argument("--sub-batches", type=int, default=2)
+    ap.add_argument("--n-envs", type=int, default=4, help="envs per sub-batch")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    steps = args.env_steps or (480 if args.quick else 6000)
+    image = args.image_size or (32 if args.quick else 64)
+    env = EnvSpec(task="goal/touch-red-cube", image_size=image, max_steps=60, n_action_steps=2)
+    head = HeadSpec("gaussian", 4, 4, 8)
+    cfg = RLConfig(env=env, env_steps=steps, n_envs=args.n_envs, sub_batches=args.sub_batches, segment_steps=8,
+                   max_staleness=2, minibatch_rows=32)
+    rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset=args.preset),
+                                       inference_queue=InferenceQueueConfig(batch_rows=16, max_wait_s=0.005))).start()
+    tenants = [f"tenant{i}" for i in range(args.tenants)]
+    print(f"async RL: preset={args.preset}, {args.tenants} tenants x {steps} env steps, {env.task} at {image}px, "
+          f"{cfg.sub_batches} sub-batches x {cfg.n_envs} envs, threads={torch.get_num_threads()}", flush=True)
+    try:
+        results = {}
+        for mode in ("sync", "async"):
+            results[mode] = r = run_mode(rt, mode, tenants, head, cfg)
+            print(f"  {mode:5s}: {r['steps_per_s']:7.1f} env steps/s over {r['wall_s']:.1f}s; lanes busy "
+                  + ", ".join(f"{k} {v:.1f}s" for k, v in r["lane_busy_s"].items()), flush=True)
+    finally:
+        rt.stop()
+    s, a = results["sync"], results["async"]
+    overlap_limit = s["wall_s"] / max(s["lane_busy_s"].values())
+    speedup = a["steps_per_s"] / s["steps_per_s"]
+    print()
+    print_table([{k: v for k, v in r.items() if not isinstance(v, (dict, list, tuple))} for r in (s, a)],
+                [("mode", "s"), ("steps_per_s", ".1f"), ("wall_s", ".1f"), ("episodes", "d"), ("success_rate", ".2f"),
+                 ("segments_trained", "d"), ("rows_dropped", "d"), ("max_lag", "d")])
+    target = min(1.86, 0.9 * overlap_limit)
+    print(f"\nspeedup {speedup:.2f}x; overlap limit {overlap_limit:.2f}x (sync wall / slowest lane); "
+          f"target {target:.2f}x ({'met' if speedup >= target else 'NOT met'})")
+    print(f"success: sync {s['success_rate']:.2f} {tuple(round(x, 2) for x in s['success_ci95'])}, "
+          f"async {a['success_rate']:.2f} {tuple(round(x, 2) for x in a['success_ci95'])}")
+    payload = {"sync_steps_per_s": s["steps_per_s"], "async_steps_per_s": a["steps_per_s"], "speedup": speedup,
+               "overlap_limit": overlap_limit, "target": target, "sync": s, "async": a,
+               "curves": {"sync": s["curve"], "async": a["curve"]},
+               "config": {"preset": args.preset, "tenants": args.tenants, "env_steps_per_tenant": steps,
+                          "image_size": image, "sub_batches": cfg.sub_batches, "n_envs": cfg.n_envs,
+                          "segment_steps": cfg.segment_steps, "max_staleness": cfg.max_staleness},
+               "environment": environment("cpu")}
+    path = write_json("async_rl_quick.json" if args.quick else "async_rl.json", payload, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
