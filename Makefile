@@ -27,7 +27,7 @@ $(VENV)/.libero: $(VENV)/.installed scripts/install-libero.sh
 	touch $@
 
 demo: setup
-	$(PY) -m vlamux.demo
+	$(PY) -m vlamux.main_job
 
 test: setup libero
 	$(PY) -m pytest -q

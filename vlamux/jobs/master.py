@@ -117,6 +117,8 @@ class MasterService:
 
             if sft is not None:
                 result["sft"] = self._sft(job, sft, metrics, checkpoint, resume)
+                if spec.kind == "rl" and spec.eval is not None:
+                    result["after_sft"] = self._evaluate(job)  # where RL starts from
             if spec.kind == "rl":
                 result["rl"] = self._rl(job, metrics, checkpoint, resume)
             if spec.eval is not None:
@@ -159,6 +161,8 @@ class MasterService:
         spec = job.spec
         done = resume["env_steps"] if resume and resume["phase"] == "rl" else 0
         cfg = dataclasses.replace(spec.rl, env_steps=max(0, spec.rl.env_steps - done))
+        if cfg.lr is not None:
+            self.services.set_lr(spec.tenant, cfg.lr).result(120)
         run = RLRun(self.services, spec.tenant, cfg)
         t0 = time.monotonic()
 

@@ -845,8 +845,11 @@ def _idle(name: str, v) -> float | None:
 
 
 def _close_quietly(obj) -> None:
+    close = getattr(obj, "close", None)  # readers that hold no open files have nothing to close
+    if close is None:
+        return
     try:
-        obj.close()
+        close()
     except Exception:  # noqa: BLE001 - closing must not fail the caller
         log.exception("environment service: closing %s failed", type(obj).__name__)
 

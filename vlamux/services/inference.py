@@ -94,7 +94,7 @@ class InferenceModelService(EngineLoop):
         self.accounting.busy(time.perf_counter() - t0)
         for item, res in zip(group, results):
             self.accounting.charge(item.tenant, backbone_s=res.backbone_s, head_s=res.head_s, requests=1,
-                                   rows=item.rows)
+                                   rows=item.rows, shared=float(res.group_size > 1))
             if item.future.done():  # cancelled by the caller meanwhile
                 continue
             if res.ok:

@@ -10,6 +10,7 @@ control plane.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import Future
@@ -71,6 +72,13 @@ class TrainingModelService(EngineLoop):
     def load_state(self, tenant: str, path: str | Path) -> Future:
         return self.queue.submit(TrainOp(tenant, "load_state", Path(path)))
 
+    def set_lr(self, tenant: str, lr: float) -> Future:
+        """Change the tenant's learning rate (e.g. between a job's SFT and RL phases), in order with its
+        other operations; the optimizer's state is kept."""
+        if not (isinstance(lr, (int, float)) and lr > 0):
+            raise InvalidInputError(f"lr: expected a positive number, got {lr!r}")
+        return self.queue.submit(TrainOp(tenant, "set_lr", float(lr)))
+
     def version(self, tenant: str) -> int:
         slot = self.runner.slots.get(tenant)
         if slot is None:
@@ -90,7 +98,8 @@ class TrainingModelService(EngineLoop):
             group = [op for op in batch if op.kind == "forward_backward"]
             if group:
                 for op, res in zip(group, self.runner.execute([op.payload for op in group])):
-                    self.accounting.charge(op.tenant, backbone_s=res.backbone_s, head_s=res.head_s, rows=op.rows)
+                    self.accounting.charge(op.tenant, backbone_s=res.backbone_s, head_s=res.head_s, rows=op.rows,
+                                           shared=float(res.group_size > 1))
                     _resolve(op.future, res.output, res.error)
             for op in batch:
                 if op.kind != "forward_backward":
@@ -118,6 +127,12 @@ class TrainingModelService(EngineLoop):
             out = self.runner.optim_step(op.tenant).unwrap()
             self._publish(op.tenant)
             return out
+        if op.kind == "set_lr":
+            slot = self.runner.slot(op.tenant)
+            for g in slot.optimizer.param_groups:
+                g["lr"] = op.payload
+            slot.optim_spec = dataclasses.replace(slot.optim_spec, lr=op.payload)
+            return {"lr": op.payload}
         if op.kind == "save_state":
             self.runner.slot(op.tenant).save(op.payload)
             return {"path": str(op.payload), "policy_version": self.version(op.tenant)}

@@ -64,6 +64,7 @@ class RLConfig:
     deterministic: bool = False
     seed: int = 0
     timeout_s: float = 120.0  # bound on any single service call
+    lr: float | None = None  # the learning rate for RL (None: keep the slot's), e.g. below the SFT phase's
 
     def __post_init__(self):
         if self.algorithm not in ("ppo", "grpo"):

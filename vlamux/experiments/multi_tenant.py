@@ -1,0 +1,131 @@
+"""The JoyNexus experiment as a workload: 3 RL tenants and 1 SFT tenant, different heads, on the
+built-in suite, run (a) isolated — one job after another, each with fresh services to itself — or
+(b) multi-tenant — all at once on one set of services, their requests sharing backbone forwards.
+
+Each RL tenant starts by behaviour-cloning the scripted demonstrations (its job's `sft` section),
+evaluates, then reinforces from there; the SFT tenant only clones. The figures: each mode's wall
+time, the Training and Inference Model Services' utilisation (busy / wall), and every tenant's
+success before and after.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from vlamux.jobs.master import MasterService
+from vlamux.model import BackboneSpec
+from vlamux.services.queues import InferenceQueueConfig
+from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
+
+TASK = "goal/touch-red-cube"
+CAMERAS = {"observation.images.agentview": "agentview", "observation.images.wrist": "wrist"}
+
+
+@dataclasses.dataclass
+class Budget:
+    image_size: int = 32
+    demos: int = 200  # expert episodes in the dataset
+    sft_steps: int = 3000  # the SFT tenant's
+    warm_start_steps: int = 1500  # each RL tenant's behaviour cloning before RL
+    rl_env_steps: int = 4000
+    eval_episodes: int = 50
+    max_steps: int = 40
+    batch_size: int = 32
+
+    @classmethod
+    def quick(cls) -> Budget:
+        return cls(demos=8, sft_steps=12, warm_start_steps=6, rl_env_steps=96, eval_episodes=4, max_steps=12,
+                   batch_size=8)
+
+
+def env_spec(b: Budget) -> dict:
+    return {"task": TASK, "image_size": b.image_size, "max_steps": b.max_steps, "n_action_steps": 1}
+
+
+def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[dict]:
+    """Four tenants, four heads: flow (SFT only), gaussian PPO, bins PPO, gaussian GRPO."""
+    env = env_spec(b)
+    ev = {"episodes": b.eval_episodes, "n_envs": 8 if b.eval_episodes >= 8 else 2, "env": env}
+    sft = {"dataset": str(dataset), "camera_map": CAMERAS, "batch_size": b.batch_size}
+    head = {"action_dim": 4, "horizon": 4, "state_dim": 8}
+    rl = {"env": env, "env_steps": b.rl_env_steps, "n_envs": 4, "sub_batches": 2, "segment_steps": 8,
+          "minibatch_rows": 32, "max_staleness": 2, "lr": 3e-5}
+
+    def job(name, kind, head_kind, **extra):
+        return {"name": name, "tenant": name, "kind": kind, "backbone": backbone,
+                "head": {**head, "kind": head_kind}, "optimizer": {"lr": 3e-4}, "eval": ev,
+                "checkpoint_every": 50, **extra}
+
+    warm = {**sft, "steps": b.warm_start_steps}
+    return [
+        job("sft-flow", "sft", "flow", sft={**sft, "steps": b.sft_steps}),
+        job("rl-gauss-ppo", "rl", "gaussian", sft=warm, rl=rl),
+        job("rl-bins-ppo", "rl", "bins", sft=warm, rl=rl),
+        job("rl-gauss-grpo", "rl", "gaussian", sft=warm,
+            rl={**rl, "algorithm": "grpo", "group_size": 4, "segment_steps": b.max_steps}),
+    ]
+
+
+def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny", on_tick=None,
+        timeout_s: float = 24 * 3600) -> dict:
+    """Run the jobs isolated (one after another, fresh services each) or all at once; returns wall
+    time, service utilisation and each job's result."""
+    workdir = Path(workdir) / mode
+    results, walls, busy = {}, [], {"training": 0.0, "inference": 0.0}
+    groups = [[s] for s in specs] if mode == "isolated" else [specs]
+    t_all = time.monotonic()
+    for group in groups:
+        rt = _runtime(backbone)
+        try:
+            master = MasterService(rt, workdir)
+            t0 = time.monotonic()
+            jobs = [master.submit(s) for s in group]
+            _watch(jobs, on_tick, timeout_s)
+            walls.append(time.monotonic() - t0)
+            busy["training"] += rt.training.accounting.busy_s
+            busy["inference"] += sum(r.accounting.busy_s for r in rt.replicas.values())
+            for j in jobs:
+                if j.state != "succeeded":
+                    raise RuntimeError(f"job {j.spec.name} {j.state}: {j.error}")
+                results[j.spec.name] = j.result
+        finally:
+            rt.stop()
+    wall = sum(walls)
+    return {"mode": mode, "wall_s": wall, "elapsed_s": time.monotonic() - t_all,
+            "train_util": busy["training"] / wall, "infer_util": busy["inference"] / wall,
+            "busy_s": busy, "jobs": results}
+
+
+def _runtime(backbone: str) -> EmbeddedRuntime:
+    return EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset=backbone),
+                                         inference_queue=InferenceQueueConfig(batch_rows=32, max_wait_s=0.005),
+                                         max_staleness=4)).start()
+
+
+def _watch(jobs, on_tick, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while any(j.thread.is_alive() for j in jobs):
+        if time.monotonic() > end:
+            for j in jobs:
+                j.cancel.set()
+            raise TimeoutError(f"jobs still running after {timeout_s:.0f}s")
+        if on_tick:
+            on_tick(jobs)
+        for j in jobs:
+            j.thread.join(timeout=1.0)
+            break
+    if on_tick:
+        on_tick(jobs)
+
+
+def ensure_demos(b: Budget, root: str | Path, progress=None) -> Path:
+    """The scripted demonstrations as a LeRobot dataset, generated once and reused."""
+    from vlamux.data.demos import generate
+
+    root = Path(root) / f"tabletop-{TASK.replace('/', '-')}-{b.image_size}px-{b.demos}"
+    if not (root / "meta" / "info.json").exists():
+        generate([TASK], b.demos, root, image_size=b.image_size, workers=2, progress=progress)
+    return root
+
