@@ -15,6 +15,7 @@ Writes bench/results/async_rl.json (quick runs: async_rl_quick.json).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import environment, print_table, write_json  # noqa: E402
+from common import cpu_seconds, environment, print_table, write_json  # noqa: E402
 from vlamux.envs import EnvSpec  # noqa: E402
 from vlamux.model import BackboneSpec, HeadSpec, OptimizerSpec  # noqa: E402
 from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
@@ -57,13 +58,13 @@ def run_mode(rt: EmbeddedRuntime, mode: str, tenants: list[str], head: HeadSpec,
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), cpu_seconds()
     threads = [threading.Thread(target=job, args=(n, i)) for i, n in enumerate(names)]
     for th in threads:
         th.start()
     for th in threads:
         th.join()
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
     if errors:
         raise errors[0]
     after = lane_counters(rt)
@@ -71,7 +72,8 @@ def run_mode(rt: EmbeddedRuntime, mode: str, tenants: list[str], head: HeadSpec,
     steps = sum(s.env_steps for s in stats.values())
     episodes = sorted((e for s in stats.values() for e in s.episodes), key=lambda e: e[0])
     successes = sum(ok for _, ok in episodes)
-    return {"mode": mode, "wall_s": wall, "env_steps": steps, "steps_per_s": steps / wall, "lane_busy_s": busy,
+    return {"mode": mode, "wall_s": wall, "cpu_s": cpu, "env_steps": steps, "steps_per_s": steps / wall,
+            "lane_busy_s": busy,
             "episodes": len(episodes), "success_rate": successes / max(1, len(episodes)),
             "success_ci95": wilson(successes, len(episodes)),
             "segments_trained": sum(s.segments_trained for s in stats.values()),
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny budget: under a minute")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--env-steps", type=int, default=None, help="per tenant")
-    ap.add_argument("--tenants", type=int, default=2)
+    ap.add_argument("--tenants", type=int, default=1, help="RL tenants per mode (D-VLA's experiment: one)")
     ap.add_argument("--image-size", type=int, default=None)
     ap.add_argument("--sub-batches", type=int, default=2)
     ap.add_argument("--n-envs", type=int, default=4, help="envs per sub-batch")
@@ -128,18 +130,25 @@ def main(argv=None) -> int:
         rt.stop()
     s, a = results["sync"], results["async"]
     overlap_limit = s["wall_s"] / max(s["lane_busy_s"].values())
+    # lanes here share the same few cores: no schedule finishes the sync run's CPU work faster than
+    # all cores busy all the time
+    cores = os.cpu_count() or 1
+    cpu_limit = s["wall_s"] / max(max(s["lane_busy_s"].values()), s["cpu_s"] / cores)
     speedup = a["steps_per_s"] / s["steps_per_s"]
     print()
     print_table([{k: v for k, v in r.items() if not isinstance(v, (dict, list, tuple))} for r in (s, a)],
                 [("mode", "s"), ("steps_per_s", ".1f"), ("wall_s", ".1f"), ("episodes", "d"), ("success_rate", ".2f"),
                  ("segments_trained", "d"), ("rows_dropped", "d"), ("max_lag", "d")])
     target = min(1.86, 0.9 * overlap_limit)
-    print(f"\nspeedup {speedup:.2f}x; overlap limit {overlap_limit:.2f}x (sync wall / slowest lane); "
+    print(f"\nCPU: sync {s['cpu_s']:.1f}s over {s['wall_s']:.1f}s wall ({s['cpu_s'] / s['wall_s'] / cores:.0%} of "
+          f"{cores} cores), async {a['cpu_s']:.1f}s over {a['wall_s']:.1f}s ({a['cpu_s'] / a['wall_s'] / cores:.0%}); "
+          f"bound with all cores busy: {cpu_limit:.2f}x")
+    print(f"speedup {speedup:.2f}x; overlap limit {overlap_limit:.2f}x (sync wall / slowest lane); "
           f"target {target:.2f}x ({'met' if speedup >= target else 'NOT met'})")
     print(f"success: sync {s['success_rate']:.2f} {tuple(round(x, 2) for x in s['success_ci95'])}, "
           f"async {a['success_rate']:.2f} {tuple(round(x, 2) for x in a['success_ci95'])}")
     payload = {"sync_steps_per_s": s["steps_per_s"], "async_steps_per_s": a["steps_per_s"], "speedup": speedup,
-               "overlap_limit": overlap_limit, "target": target, "sync": s, "async": a,
+               "overlap_limit": overlap_limit, "cpu_limit": cpu_limit, "cores": cores, "target": target, "sync": s, "async": a,
                "curves": {"sync": s["curve"], "async": a["curve"]},
                "config": {"preset": args.preset, "tenants": args.tenants, "env_steps_per_tenant": steps,
                           "image_size": image, "sub_batches": cfg.sub_batches, "n_envs": cfg.n_envs,

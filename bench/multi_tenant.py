@@ -1,0 +1,73 @@
+"""The JoyNexus experiment on this machine: the 3 RL + 1 SFT workload of the main job run (a)
+isolated — one tenant after another, each with fresh services to itself — and (b) multi-tenant —
+all at once on one set of services — in one run. Reports each mode's wall time (the device time the
+tenants hold), the Training and Inference Model Services' utilisation (busy / wall) and the
+reduction 1 - multi / isolated. Evaluation is left out: this measures the training workload.
+
+    python bench/multi_tenant.py [--quick]
+Writes bench/results/multi_tenant.json (quick runs: multi_tenant_quick.json).
+Targets (the paper's): reduction >= 0.283, training utilisation >= 1.99x the isolated figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common import cpu_seconds, environment, print_table, write_json  # noqa: E402
+from vlamux.experiments.multi_tenant import Budget, ensure_demos, job_specs, run  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="a tiny budget: under a minute")
+    ap.add_argument("--data", default="data/demos")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    budget = Budget.quick() if args.quick else dataclasses.replace(Budget(), sft_steps=600, warm_start_steps=300,
+                                                                    rl_env_steps=2000)
+    dataset = ensure_demos(budget, args.data)
+    specs = [{**s, "eval": None} for s in job_specs(budget, dataset)]
+    print(f"multi-tenant workload: {len(specs)} tenants ({', '.join(s['tenant'] for s in specs)}); "
+          f"SFT {budget.sft_steps} steps, RL warm start {budget.warm_start_steps} steps + {budget.rl_env_steps} "
+          f"env steps each", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = {}
+        for mode in ("isolated", "multi"):
+            cpu0 = cpu_seconds()
+            r = run(specs, mode, tmp)
+            r["cpu_util"] = (cpu_seconds() - cpu0) / (r["elapsed_s"] * (os.cpu_count() or 1))
+            rows[mode] = r
+            print(f"  {mode:8s}: wall {r['wall_s']:6.1f}s  training util {r['train_util']:.1%}  "
+                  f"inference util {r['infer_util']:.1%}  CPU busy {r['cpu_util']:.0%}", flush=True)
+    iso, multi = rows["isolated"], rows["multi"]
+    reduction = 1 - multi["wall_s"] / iso["wall_s"]
+    train_ratio = multi["train_util"] / max(iso["train_util"], 1e-9)
+    print()
+    print_table([{"mode": m, "wall_s": r["wall_s"], "train_util": r["train_util"], "infer_util": r["infer_util"],
+                  "cpu_util": r["cpu_util"]} for m, r in rows.items()],
+                [("mode", "s"), ("wall_s", ".1f"), ("train_util", ".3f"), ("infer_util", ".3f"), ("cpu_util", ".2f")])
+    print(f"\nreduction {reduction:.3f} (target >= 0.283: {'met' if reduction >= 0.283 else 'NOT met'}); "
+          f"training utilisation {train_ratio:.2f}x isolated (target >= 1.99x: "
+          f"{'met' if train_ratio >= 1.99 else 'NOT met'})")
+    payload = {"isolated_wall_s": iso["wall_s"], "multi_wall_s": multi["wall_s"], "reduction": reduction,
+               "train_util_isolated": iso["train_util"], "train_util_multi": multi["train_util"],
+               "infer_util_isolated": iso["infer_util"], "infer_util_multi": multi["infer_util"],
+               "train_util_ratio": train_ratio, "cpu_util_isolated": iso["cpu_util"], "cpu_util_multi": multi["cpu_util"],
+               "per_job": {m: {n: {k: v for k, v in j.items() if k in ("wall_s", "policy_version")}
+                               for n, j in r["jobs"].items()} for m, r in rows.items()},
+               "budget": dataclasses.asdict(budget), "environment": environment("cpu")}
+    path = write_json("multi_tenant_quick.json" if args.quick else "multi_tenant.json", payload, args.out)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
