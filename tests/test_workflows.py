@@ -214,3 +214,18 @@ def test_grouping_does_not_change_an_rl_tenants_learning():
     assert len(grouped.losses) == len(alone.losses) >= 3
     assert max(abs(a - b) for a, b in zip(alone.losses, grouped.losses)) <= 1e-4
     assert max((a - b).abs().max().item() for a, b in zip(p_alone, p_grouped)) <= 1e-4
+
+
+def test_sft_cosine_schedule_sets_the_learning_rate_each_step(runtime, demos):
+    from vlamux.workflows.sft import SFTConfig, SFTRun
+
+    cfg = SFTConfig(dataset=str(demos), steps=4, batch_size=4, lr=1e-3, schedule="cosine")
+    run = SFTRun(runtime, "cosine", 4, cfg)
+    runtime.create_slot("cosine", HeadSpec(**{**HEAD, "kind": "l1_chunk"}), seed=1, stats=run.open()).result(30)
+    seen = []
+    run.on_step = lambda st: seen.append(runtime.training.runner.slot("cosine").optimizer.param_groups[0]["lr"])
+    run.run()
+    assert seen[0] == pytest.approx(1e-3, rel=1e-4) and seen == sorted(seen, reverse=True) and seen[-1] < 2e-4
+    with pytest.raises(JobSpecError, match="sft.schedule"):
+        load_spec({"name": "j", "tenant": "t", "kind": "sft", "head": HEAD,
+                   "sft": {"dataset": "d", "schedule": "linear", "lr": 1e-3}})

@@ -4,8 +4,11 @@ backbone forward; this file only sees its own tenant."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
+
+from vlamux.errors import InvalidInputError
 
 
 @dataclass
@@ -16,8 +19,17 @@ class SFTConfig:
     steps: int = 500
     batch_size: int = 32
     grad_accum: int = 1  # forward_backwards per optimizer step
+    lr: float | None = None  # None: the slot's optimizer lr throughout
+    schedule: str = "constant"  # constant | cosine (from lr down to 0 over `steps`)
     seed: int = 0
     timeout_s: float = 120.0
+
+
+    def __post_init__(self):
+        if self.schedule not in ("constant", "cosine"):
+            raise InvalidInputError(f"schedule: expected 'constant' or 'cosine', got {self.schedule!r}")
+        if self.schedule == "cosine" and self.lr is None:
+            raise InvalidInputError("lr: a cosine schedule needs its peak lr")
 
 
 @dataclass
@@ -45,6 +57,14 @@ class SFTRun:
                                            self.cfg.camera_map, seed=self.cfg.seed)
         return env.dataset_stats(self.tenant, self.dataset_id, stats_mode)
 
+    def lr_at(self, step: int) -> float | None:
+        cfg = self.cfg
+        if cfg.lr is None:
+            return None
+        if cfg.schedule == "constant":
+            return cfg.lr
+        return cfg.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)) + 1e-8
+
     def run(self, start_step: int = 0) -> SFTStats:
         cfg, env = self.cfg, self.services.environment
         if self.dataset_id is None:
@@ -52,6 +72,9 @@ class SFTRun:
         self.stats.step = start_step
         try:
             while self.stats.step < cfg.steps:
+                lr = self.lr_at(self.stats.step)
+                if lr is not None:
+                    self.services.set_lr(self.tenant, lr)  # queued: applies before this step's update
                 futures = []
                 for _ in range(cfg.grad_accum):
                     obs, actions, mask = env.sample(self.tenant, self.dataset_id)
