@@ -27,10 +27,11 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def evaluate(services, tenant: str, env: EnvSpec, tasks: list[str], episodes: int, seed: int = 10_000,
              n_envs: int = 8, env_workers: int = 1, deterministic: bool = True, timeout_s: float = 120.0,
-             on_episode=None) -> dict:
+             on_episode=None, policy_version: int | None = None) -> dict:
     """Success of `tenant`'s served policy on each task: {task: {successes, episodes, rate, ci95}},
     plus the policy versions that acted. Episode k of a task is seeded seed + k on every run, so two
-    evaluations of one policy see the same episodes."""
+    evaluations of one policy see the same episodes. policy_version: fail (rather than report a
+    mixture) if any chunk comes from another version, e.g. because the tenant is still training."""
     if episodes < 1:
         raise VlamuxError(f"episodes: expected >= 1, got {episodes}")
     out, versions, t0 = {}, set(), time.monotonic()
@@ -48,6 +49,9 @@ def evaluate(services, tenant: str, env: EnvSpec, tasks: list[str], episodes: in
                 while alive.any():
                     res = services.predict(tenant, obs_to_observation(obs), deterministic=deterministic).result(timeout_s)
                     versions.add(int(res["policy_version"]))
+                    if policy_version is not None and versions != {policy_version}:
+                        raise VlamuxError(f"policy_version: asked to evaluate version {policy_version}, the "
+                                          f"replica served {sorted(versions)}")
                     obs, _, term, trunc, infos = env_api.step(tenant, sid, res["actions"].numpy())
                     ended = np.asarray(term) | np.asarray(trunc)
                     for i in np.flatnonzero(ended & alive & counts):
