@@ -27,44 +27,50 @@ CAMERAS = {"observation.images.agentview": "agentview", "observation.images.wris
 class Budget:
     image_size: int = 32
     demos: int = 200  # expert episodes in the dataset
-    sft_steps: int = 3000  # the SFT tenant's
-    warm_start_steps: int = 1500  # each RL tenant's behaviour cloning before RL
-    rl_env_steps: int = 4000
+    sft_steps: int = 2000  # the SFT tenant's
+    warm_start_steps: int = 1000  # each RL tenant's behaviour cloning before RL
+    rl_env_steps: int = 16000
     eval_episodes: int = 50
-    max_steps: int = 40
-    batch_size: int = 32
+    max_steps: int = 120
+    batch_size: int = 64
+    horizon: int = 8
+    n_action_steps: int = 4  # actions of each chunk executed before the next is asked for
 
     @classmethod
     def quick(cls) -> Budget:
-        return cls(demos=8, sft_steps=12, warm_start_steps=6, rl_env_steps=96, eval_episodes=4, max_steps=12,
+        return cls(demos=8, sft_steps=12, warm_start_steps=6, rl_env_steps=192, eval_episodes=4, max_steps=16,
                    batch_size=8)
 
 
 def env_spec(b: Budget) -> dict:
-    return {"task": TASK, "image_size": b.image_size, "max_steps": b.max_steps, "n_action_steps": 1}
+    return {"task": TASK, "image_size": b.image_size, "max_steps": b.max_steps, "n_action_steps": b.n_action_steps}
 
 
 def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[dict]:
-    """Four tenants, four heads: flow (SFT only), gaussian PPO, bins PPO, gaussian GRPO."""
+    """Four tenants, four heads: flow (SFT only), gaussian PPO, bins PPO, gaussian GRPO. The settings
+    are the ones measured to work on this suite (docs/RESULTS.md): cosine-scheduled SFT with warm-up,
+    then RL at a tenth of the SFT learning rate, four passes over each segment."""
     env = env_spec(b)
-    ev = {"episodes": b.eval_episodes, "n_envs": 8 if b.eval_episodes >= 8 else 2, "env": env}
-    sft = {"dataset": str(dataset), "camera_map": CAMERAS, "batch_size": b.batch_size}
-    head = {"action_dim": 4, "horizon": 4, "state_dim": 8}
-    rl = {"env": env, "env_steps": b.rl_env_steps, "n_envs": 4, "sub_batches": 2, "segment_steps": 8,
-          "minibatch_rows": 32, "max_staleness": 2, "lr": 3e-5}
+    ev = {"episodes": b.eval_episodes, "n_envs": 10 if b.eval_episodes >= 10 else 2, "env": env}
+    sft = {"dataset": str(dataset), "camera_map": CAMERAS, "batch_size": b.batch_size, "lr": 1e-3,
+           "schedule": "cosine", "warmup_steps": min(100, max(1, b.sft_steps // 10))}
+    head = {"action_dim": 4, "horizon": b.horizon, "state_dim": 8}
+    rl = {"env": env, "env_steps": b.rl_env_steps, "n_envs": 8, "sub_batches": 2, "segment_steps": 8,
+          "minibatch_rows": 64, "max_staleness": 2, "epochs": 4, "lr": 1e-4}
+    grpo_steps = -(-b.max_steps // b.n_action_steps)  # an episode's vectorised steps
 
     def job(name, kind, head_kind, **extra):
         return {"name": name, "tenant": name, "kind": kind, "backbone": backbone,
-                "head": {**head, "kind": head_kind}, "optimizer": {"lr": 3e-4}, "eval": ev,
-                "checkpoint_every": 50, **extra}
+                "head": {**head, "kind": head_kind}, "optimizer": {"lr": 1e-3}, "eval": ev,
+                "checkpoint_every": 200, **extra}
 
-    warm = {**sft, "steps": b.warm_start_steps}
+    warm = {**sft, "steps": b.warm_start_steps, "warmup_steps": min(100, max(1, b.warm_start_steps // 10))}
     return [
         job("sft-flow", "sft", "flow", sft={**sft, "steps": b.sft_steps}),
         job("rl-gauss-ppo", "rl", "gaussian", sft=warm, rl=rl),
         job("rl-bins-ppo", "rl", "bins", sft=warm, rl=rl),
         job("rl-gauss-grpo", "rl", "gaussian", sft=warm,
-            rl={**rl, "algorithm": "grpo", "group_size": 4, "segment_steps": b.max_steps}),
+            rl={**rl, "algorithm": "grpo", "group_size": 4, "segment_steps": grpo_steps}),
     ]
 
 

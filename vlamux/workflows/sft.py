@@ -21,6 +21,7 @@ class SFTConfig:
     grad_accum: int = 1  # forward_backwards per optimizer step
     lr: float | None = None  # None: the slot's optimizer lr throughout
     schedule: str = "constant"  # constant | cosine (from lr down to 0 over `steps`)
+    warmup_steps: int = 0  # linear ramp from 0 to lr first (Adam's early steps on a fresh head are large)
     seed: int = 0
     timeout_s: float = 120.0
 
@@ -61,9 +62,10 @@ class SFTRun:
         cfg = self.cfg
         if cfg.lr is None:
             return None
+        ramp = min(1.0, (step + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
         if cfg.schedule == "constant":
-            return cfg.lr
-        return cfg.lr * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)) + 1e-8
+            return cfg.lr * ramp
+        return cfg.lr * ramp * 0.5 * (1 + math.cos(math.pi * step / cfg.steps)) + 1e-8
 
     def run(self, start_step: int = 0) -> SFTStats:
         cfg, env = self.cfg, self.services.environment

@@ -1,0 +1,108 @@
+"""Pretrain the built-in backbone on the built-in suite, so frozen features carry what tenants need.
+
+A frozen, randomly initialised backbone gives a head enough to learn one task from demonstrations
+(touch-red-cube: 82-90% success), but not to follow instructions across a suite's tasks (measured:
+goal suite touch tasks 15-18%, object 6%; see docs/RESULTS.md). This script trains the backbone
+end to end together with a behaviour-cloning head on scripted demonstrations of every built-in
+suite, then keeps the backbone only: tenants train their own heads on it, frozen, as always.
+It is deterministic given its arguments (seeded data, init and batches), so the shipped weights
+can be reproduced:
+
+    python -m vlamux.pretrain --out vlamux/assets/tiny-tabletop.safetensors
+
+Nothing here runs at service time; the services load the result through
+`BackboneSpec(preset="tiny", weights=...)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vlamux.model import BackboneSpec, HeadSpec, build_backbone, canonicalize, save_backbone
+from vlamux.model.backbones.builtin import PRESETS, BuiltinBackbone
+from vlamux.model.heads import build_head
+from vlamux.utils.seeding import seeded
+
+CAMERAS = {"observation.images.agentview": "agentview", "observation.images.wrist": "wrist"}
+
+
+def suite_tasks(suites: list[str]) -> list[str]:
+    from vlamux.envs.tabletop.tasks import SUITES
+
+    return [t for s in suites for t in SUITES[s]]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--suites", default="goal,spatial,object")
+    ap.add_argument("--episodes", type=int, default=100, help="expert episodes per task")
+    ap.add_argument("--image-size", type=int, default=32)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--horizon", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data", default="data/demos/pretrain")
+    ap.add_argument("--out", default="vlamux/assets/tiny-tabletop.safetensors")
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from vlamux.data import ChunkSampler, LeRobotDataset
+    from vlamux.data.demos import generate
+    from vlamux.envs.tabletop.env import ACTION_SPACE, STATE_NAMES
+
+    tasks = suite_tasks(args.suites.split(","))
+    root = Path(args.data) / f"{args.suites.replace(',', '-')}-{args.episodes}-{args.image_size}px"
+    if not (root / "meta" / "info.json").exists():
+        print(f"generating {args.episodes} expert episodes for each of {len(tasks)} tasks -> {root}", flush=True)
+        generate(tasks, args.episodes, root, image_size=args.image_size, workers=2, progress=None)
+    sampler = ChunkSampler(LeRobotDataset(root), args.horizon, args.batch, CAMERAS, seed=args.seed)
+    stats = sampler.norm_stats("mean_std")
+
+    with seeded(args.seed):
+        backbone = BuiltinBackbone(PRESETS[args.preset], f"builtin-{args.preset}-pretrained")
+        head = build_head(HeadSpec("l1_chunk", ACTION_SPACE.dim, args.horizon, len(STATE_NAMES), width=128, depth=2),
+                          backbone.meta.hidden_dim)
+    params = list(backbone.parameters()) + list(head.parameters())
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
+    print(f"pretraining {args.preset} ({sum(p.numel() for p in backbone.parameters()) / 1e6:.2f}M) with an "
+          f"l1_chunk head on {len(tasks)} tasks, {sampler.num_samples} samples, {args.steps} steps", flush=True)
+    t0, epoch, it = time.time(), 0, None
+    gen = torch.Generator().manual_seed(args.seed)
+    for step in range(1, args.steps + 1):
+        try:
+            batch = next(it)
+        except (StopIteration, TypeError):
+            it, epoch = iter(sampler.epoch(epoch)), epoch + 1
+            batch = next(it)
+        obs, actions, mask = batch
+        for g in opt.param_groups:
+            g["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+        cb = canonicalize(obs, backbone.schema, backbone.tokenizer, "cpu", torch.float32)
+        feature = backbone.forward_group([cb])[0]
+        state = stats["state"].normalize(obs.state) if stats.get("state") is not None else None
+        loss, _ = head.loss(feature, state, stats["action"].normalize(actions), mask, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        if step % 200 == 0 or step == args.steps:
+            print(f"  step {step:5d}  {time.time() - t0:6.0f}s  loss {loss.item():.4f}", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    save_backbone(backbone, out)
+    check = build_backbone(BackboneSpec(preset=args.preset, weights=str(out)))
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB); loads as {check.backbone_id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
