@@ -29,8 +29,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a tiny budget: under a minute")
     ap.add_argument("--data", default="data/demos")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per op, the same in both modes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
     budget = Budget.quick() if args.quick else dataclasses.replace(Budget(), sft_steps=600, warm_start_steps=300,
                                                                     rl_env_steps=2000)
     dataset = ensure_demos(budget, args.data)

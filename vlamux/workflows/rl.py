@@ -59,8 +59,10 @@ class RLConfig:
     value_coef: float = 0.5
     entropy_coef: float = 0.0
     epochs: int = 1  # passes over a segment; one optimizer step each
+    critic_warmup: int = 0  # PPO: the first updates fit the value head only (an SFT-initialised policy
+    # comes with an untrained critic, whose advantages would otherwise undo what SFT learned)
     minibatch_rows: int = 64
-    max_staleness: int = 2  # versions a segment's oldest action may lag the learner
+    max_staleness: int = 2  # versions a step's action may lag the learner (a trained segment adds `epochs`)
     deterministic: bool = False
     seed: int = 0
     timeout_s: float = 120.0  # bound on any single service call
@@ -184,6 +186,7 @@ class Learner:
     def __init__(self, services, tenant: str, cfg: RLConfig, stats: Stats, lock: threading.Lock):
         self.services, self.tenant, self.cfg, self.stats, self.lock = services, tenant, cfg, stats, lock
         self.gen = torch.Generator().manual_seed(cfg.seed)
+        self.updates = 0
 
     def train(self, segs: list[Segment]) -> None:
         """One update (an optimizer step per epoch) on the rows of `segs` that are fresh enough."""
@@ -201,6 +204,9 @@ class Learner:
         versions = torch.cat([v for *_, v in parts])
         if cfg.algorithm == "ppo":
             adv = (adv - adv.mean()) / (adv.std(unbiased=False) + 1e-6)
+            if self.updates < cfg.critic_warmup:
+                adv = torch.zeros_like(adv)  # no policy gradient yet: only the value loss trains
+        self.updates += 1
         mask = torch.zeros(actions.shape[1], dtype=torch.bool)
         mask[: cfg.env.n_action_steps] = True
         proximal = torch.zeros_like(behaviour)
