@@ -29,14 +29,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a tiny budget: under a minute")
     ap.add_argument("--data", default="data/demos")
+    ap.add_argument("--sft-steps", type=int, default=600)
+    ap.add_argument("--warm-start-steps", type=int, default=100, help="each RL tenant's SFT before RL")
+    ap.add_argument("--rl-env-steps", type=int, default=8000)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per op, the same in both modes")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
-    budget = Budget.quick() if args.quick else dataclasses.replace(Budget(), sft_steps=600, warm_start_steps=300,
-                                                                    rl_env_steps=2000)
+    # RL-heavy, like the paper's workload: RL tenants mostly simulate, SFT mostly trains
+    budget = Budget.quick() if args.quick else dataclasses.replace(Budget(), sft_steps=args.sft_steps,
+                                                                    warm_start_steps=args.warm_start_steps,
+                                                                    rl_env_steps=args.rl_env_steps)
     dataset = ensure_demos(budget, args.data)
     specs = [{**s, "eval": None} for s in job_specs(budget, dataset)]
     print(f"multi-tenant workload: {len(specs)} tenants ({', '.join(s['tenant'] for s in specs)}); "

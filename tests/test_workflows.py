@@ -229,3 +229,18 @@ def test_sft_cosine_schedule_sets_the_learning_rate_each_step(runtime, demos):
     with pytest.raises(JobSpecError, match="sft.schedule"):
         load_spec({"name": "j", "tenant": "t", "kind": "sft", "head": HEAD,
                    "sft": {"dataset": "d", "schedule": "linear", "lr": 1e-3}})
+
+
+def test_several_passes_over_a_segment_are_not_mistaken_for_stale_data():
+    """The Training Queue refuses data more than max_staleness versions old; an update's own passes
+    over its segment raise the version, and must not trip that guard."""
+    rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset="tiny"), max_staleness=2,
+                                       inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.005))).start()
+    try:
+        rt.create_slot("passes", HeadSpec(**HEAD), OptimizerSpec(lr=1e-4)).result(30)
+        assert rt.publisher.flush(10)
+        stats = RLRun(rt, "passes", RLConfig(env=ENV, mode="sync", env_steps=32, n_envs=2, sub_batches=1,
+                                             segment_steps=4, epochs=4, max_staleness=2)).run()
+        assert stats.version == 4 * stats.segments_trained and stats.rows_dropped == 0
+    finally:
+        rt.stop()

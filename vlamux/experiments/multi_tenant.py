@@ -56,7 +56,7 @@ def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[di
            "schedule": "cosine", "warmup_steps": min(100, max(1, b.sft_steps // 10))}
     head = {"action_dim": 4, "horizon": b.horizon, "state_dim": 8}
     rl = {"env": env, "env_steps": b.rl_env_steps, "n_envs": 8, "sub_batches": 2, "segment_steps": 8,
-          "minibatch_rows": 64, "max_staleness": 2, "epochs": 4, "lr": 1e-4}
+          "minibatch_rows": 64, "max_staleness": 8, "epochs": 4, "lr": 1e-4}  # 2 segments' worth of versions
     grpo_steps = -(-b.max_steps // b.n_action_steps)  # an episode's vectorised steps
 
     def job(name, kind, head_kind, **extra):
@@ -107,7 +107,7 @@ def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny
 def _runtime(backbone: str) -> EmbeddedRuntime:
     return EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset=backbone),
                                          inference_queue=InferenceQueueConfig(batch_rows=32, max_wait_s=0.005),
-                                         max_staleness=4)).start()
+                                         max_staleness=16)).start()
 
 
 def _watch(jobs, on_tick, timeout_s: float) -> None:

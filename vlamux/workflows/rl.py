@@ -221,7 +221,8 @@ class Learner:
                                   entropy_coef=cfg.entropy_coef)
                 futures.append((mb, self.services.forward_backward(
                     self.tenant, _observations(obs_of, mb), actions[mb], mask.expand(len(mb), -1).clone(),
-                    policy_version=int(versions[mb].min()), loss=loss)))
+                    # the queue's staleness guard is for the data's age, not for this update's own passes
+                    policy_version=int(versions[mb].min()) if epoch == 0 else None, loss=loss)))
             step = self.services.optim_step(self.tenant)
             for mb, fut in futures:
                 out = fut.result(cfg.timeout_s)
