@@ -1,0 +1,82 @@
+"""The learning experiments of docs/RESULTS.md, as jobs through the Master Service (the real service
+path: a backbone forward every step, the Training and Inference Queues, the Environment Service).
+
+    # SFT (then a short RL phase) on goal/touch-red-cube; its checkpoint is the RL start below
+    python scripts/experiments/sft_then_rl.py sft --dataset data/sft_probe/goal-red-200-32 --steps 2000
+    # RL from that checkpoint: GRPO, lr 3e-5, 2 passes, 20k env steps, 100 evaluation episodes
+    python scripts/experiments/sft_then_rl.py rl --init runs/exp/sft/checkpoint.safetensors \\
+        --algorithm grpo --env-steps 20000 --epochs 2 --lr 3e-5
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from vlamux.jobs.master import MasterService
+from vlamux.model import BackboneSpec
+from vlamux.services.queues import InferenceQueueConfig
+from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
+
+HEAD = {"kind": "gaussian", "action_dim": 4, "horizon": 8, "state_dim": 8}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=("sft", "rl"))
+    ap.add_argument("--dataset", default="data/sft_probe/goal-red-200-32")
+    ap.add_argument("--init", default=None, help="rl: the slot file to start from (tenant 'g')")
+    ap.add_argument("--steps", type=int, default=2000, help="sft steps")
+    ap.add_argument("--algorithm", default="grpo")
+    ap.add_argument("--env-steps", type=int, default=20000)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--lr", type=float, default=3e-5)
+    ap.add_argument("--critic-warmup", type=int, default=0)
+    ap.add_argument("--episodes", type=int, default=100, help="evaluation episodes")
+    ap.add_argument("--workdir", default="runs/exp")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    env = {"task": "goal/touch-red-cube", "image_size": 32, "max_steps": 120, "n_action_steps": 4}
+    rl = {"env": env, "env_steps": args.env_steps, "n_envs": 8, "sub_batches": 2, "segment_steps": 8,
+          "minibatch_rows": 64, "lr": args.lr, "max_staleness": 2 * args.epochs, "epochs": args.epochs,
+          "algorithm": args.algorithm, "critic_warmup": args.critic_warmup}
+    if args.algorithm == "grpo":
+        rl.update({"group_size": 4, "segment_steps": 30})
+    spec = {"name": args.what, "tenant": "g", "kind": "rl", "head": HEAD, "optimizer": {"lr": 1e-3}, "rl": rl,
+            "eval": {"episodes": args.episodes, "n_envs": 10, "env": env, "before": args.what == "rl"},
+            "checkpoint_every": 1000}
+    if args.what == "sft":
+        spec["sft"] = {"dataset": args.dataset, "steps": args.steps, "batch_size": 64, "lr": 1e-3,
+                       "schedule": "cosine", "warmup_steps": 100}
+        spec["rl"] = {**rl, "env_steps": 0}
+    else:
+        spec["init_from"] = args.init
+    rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset="tiny"), max_staleness=4 * args.epochs,
+                                       inference_queue=InferenceQueueConfig(batch_rows=32, max_wait_s=0.005))).start()
+    try:
+        job = MasterService(rt, args.workdir).submit(spec)
+        t0 = time.time()
+        while job.thread.is_alive():
+            job.thread.join(30)
+            print(f"[{time.time() - t0:5.0f}s] {job.progress}", flush=True)
+        if job.state != "succeeded":
+            print(job.state, job.error)
+            return 1
+        r = job.result
+        for k in ("before", "after_sft", "after"):
+            if k in r:
+                lo, hi = r[k]["ci95"]
+                print(f"{k:9s} success {r[k]['success']:.2f} [{lo:.2f}, {hi:.2f}] over {list(r[k]['tasks'])}")
+        if r.get("rl"):
+            print("rl:", {k: v for k, v in r["rl"].items() if k not in ("curve", "lane_busy_s")})
+    finally:
+        rt.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
