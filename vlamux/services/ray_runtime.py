@@ -254,7 +254,12 @@ class RayRuntime:
         def alive() -> bool:
             try:
                 info = self._ping(handle_of(), self.config.ping_timeout_s)
-            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+                # slow, or being restarted by Ray: not dead. Its heartbeat goes stale, and only once it
+                # is older than hung_after_s is the role declared hung; a Ray restart shows as a new
+                # incarnation at the next ping, and is restored then
+                return True
+            except ray.exceptions.RayActorError:
                 return False
             if info["incarnation"] != self._incarnations.get(name):
                 return False  # Ray brought it back on its own: it must be restored
