@@ -27,10 +27,10 @@ CAMERAS = {"observation.images.agentview": "agentview", "observation.images.wris
 class Budget:
     image_size: int = 32
     demos: int = 200  # expert episodes in the dataset
-    sft_steps: int = 2000  # the SFT tenant's
-    warm_start_steps: int = 1000  # each RL tenant's behaviour cloning before RL
-    rl_env_steps: int = 16000
-    eval_episodes: int = 50
+    sft_steps: int = 1500  # the SFT tenant's
+    warm_start_steps: int = 600  # each RL tenant's behaviour cloning before RL
+    rl_env_steps: int = 10000
+    eval_episodes: int = 30
     max_steps: int = 120
     batch_size: int = 64
     horizon: int = 8
