@@ -273,3 +273,28 @@ def test_environment_replicas_are_elastic(rt):
         ray.get(rt.env("close_session", tenant, sid))
     with pytest.raises(ValueError, match="last environment replica"):
         rt.remove_environment_replica(added)
+
+
+def test_t_and_b_flush_rules_on_a_replica(cluster):
+    """B: 8 one-row requests queued together leave as one group without waiting T; T: a lone request
+    leaves after waiting T. Read from the replica's own queue metrics."""
+    runtime = RayRuntime(tiny_config(inference_replicas=1, max_wait_s=2.0)).start()
+    try:
+        runtime.create_slot("acme", TENANTS["acme"][0]).result(120)
+        assert runtime.flush(60)
+        time.sleep(0.5)
+        obs, _ = tenant_batches(batch=1)["acme"]
+        replica = next(iter(runtime.replicas.values()))
+
+        def queue():
+            return ray.get(replica.metrics.remote())["queue"]
+
+        before = queue()
+        assert all(f.result(120)["actions"].shape[0] == 1 for f in [runtime.predict("acme", obs) for _ in range(8)])
+        after_b = queue()
+        assert after_b["groups"] - before["groups"] == 1 and after_b["wait_p99_s"] < 2.0  # B rows: no wait for T
+        runtime.predict("acme", obs).result(120)
+        after_t = queue()
+        assert after_t["groups"] - after_b["groups"] == 1 and after_t["wait_p99_s"] >= 1.9  # alone: waited T
+    finally:
+        runtime.stop()
