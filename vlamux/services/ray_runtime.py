@@ -207,6 +207,7 @@ class RayRuntime:
         self.training = None
         self.environments: dict[str, ray.actor.ActorHandle] = {}
         self._draining: set[str] = set()
+        self._restoring: set[str] = set()  # roles the Health Manager is restarting
         self._stopping = False
 
     def _actor(self, cls, role_options: dict, max_concurrency: int = 64):
@@ -267,6 +268,13 @@ class RayRuntime:
             return info["alive"]
 
         def restart() -> None:
+            self._restoring.add(name)  # no requests are routed to it until it is restored
+            try:
+                _restart()
+            finally:
+                self._restoring.discard(name)
+
+        def _restart() -> None:
             handle = handle_of()
             try:
                 info = self._ping(handle, self.config.ping_timeout_s)
@@ -404,7 +412,8 @@ class RayRuntime:
     def _route(self, out: Future, tenant, obs, deterministic, deadline_s, tries: int,
                avoid: frozenset = frozenset()) -> None:
         with self._lock:
-            names = [n for n in self.replicas if n not in avoid] or list(self.replicas)
+            names = [n for n in self.replicas if n not in avoid and n not in self._restoring] or \
+                [n for n in self.replicas if n not in avoid] or list(self.replicas)
         if not names:
             out.set_exception(RuntimeError("no inference replica"))
             return
@@ -421,8 +430,9 @@ class RayRuntime:
                 self._followup(out, self._route, out, tenant, obs, deterministic, deadline_s, tries - 1,
                                avoid | {name})
             elif isinstance(e, UnknownTenantError) and tries > 1 and tenant in self.latest:
-                # a restarted replica still being restored
-                self._followup(out, self._reroute_later, out, tenant, obs, deterministic, deadline_s, tries - 1)
+                # a restarted replica still being restored: another one, or this one a moment later
+                self._followup(out, self._reroute_later, out, tenant, obs, deterministic, deadline_s, tries - 1,
+                               avoid | {name})
             elif e is not None:
                 out.set_exception(e)
             else:
