@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: setup libero demo test bench bench-quick clean
+.PHONY: setup libero demo test bench bench-quick plots clean
 
 setup: $(VENV)/.installed
 
@@ -34,6 +34,10 @@ test: setup libero
 
 bench: setup
 	$(PY) bench/group_batching.py
+
+# The PNGs of docs/RESULTS.md, from the committed result files (bench/results/).
+plots: setup
+	$(PY) scripts/plots.py
 
 bench-quick: setup
 	$(PY) bench/group_batching.py --quick

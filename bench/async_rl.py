@@ -8,7 +8,11 @@ time, inference = the Inference Model Service's, training = the Training Model S
 distribution = the control plane's). On a machine whose lanes share the same few cores, overlapping
 them cannot beat that bound, and contention keeps it lower still.
 
-    python bench/async_rl.py [--quick] [--env-steps N] [--tenants K]
+    python bench/async_rl.py [--quick] [--env-steps N] [--tenants K] [--warm-start STEPS]
+
+With --warm-start, both modes start RL from the same behaviour-cloned policy (SFT on scripted
+demonstrations through the services), so the success curves compare sample efficiency where there is
+success to compare; from a random initialisation both stay near zero at this budget.
 Writes bench/results/async_rl.json (quick runs: async_rl_quick.json).
 """
 
@@ -24,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
 
 from common import cpu_seconds, environment, print_table, write_json  # noqa: E402
 from vlamux.envs import EnvSpec  # noqa: E402
@@ -32,6 +37,7 @@ from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig  # noqa: E402
 from vlamux.workflows.evaluate import wilson  # noqa: E402
 from vlamux.workflows.rl import RLConfig, RLRun  # noqa: E402
+from vlamux.workflows.sft import SFTConfig, SFTRun  # noqa: E402
 
 
 def lane_counters(rt: EmbeddedRuntime) -> dict:
@@ -41,12 +47,36 @@ def lane_counters(rt: EmbeddedRuntime) -> dict:
             "distribution": rt.publisher.busy_s}
 
 
-def run_mode(rt: EmbeddedRuntime, mode: str, tenants: list[str], head: HeadSpec, cfg: RLConfig) -> dict:
+def warm_start(rt: EmbeddedRuntime, head: HeadSpec, tenant: str, image: int, steps: int, demos: int,
+               out: Path) -> None:
+    """Behaviour-clone `tenant`'s slot on scripted demonstrations and save it to `out` (checkpoints
+    belong to their tenant, so each mode's run of this tenant starts by loading it back)."""
+    from vlamux.experiments.multi_tenant import Budget, ensure_demos
+
+    dataset = ensure_demos(Budget(image_size=image, demos=demos), ROOT / "data" / "demos")
+    run = SFTRun(rt, tenant, head.horizon, SFTConfig(dataset=str(dataset), steps=steps, batch_size=64, lr=1e-3,
+                                                      schedule="cosine", warmup_steps=100))
+    rt.create_slot(tenant, head, OptimizerSpec(lr=1e-3), 0, run.open()).result(60)
+    t0 = time.perf_counter()
+    run.on_step = lambda st: st.step % 250 == 0 and print(f"  warm start {tenant}: step {st.step}/{steps}, loss "
+                                                         f"{st.losses[-1]:.3f}", flush=True)
+    run.run()
+    rt.save_state(tenant, out).result(60)
+    print(f"  warm start {tenant}: {steps} SFT steps in {time.perf_counter() - t0:.0f}s", flush=True)
+
+
+def run_mode(rt: EmbeddedRuntime, mode: str, tenants: list[str], head: HeadSpec, cfg: RLConfig,
+             warm: dict[str, Path] | None = None) -> dict:
     import threading
 
-    names = [f"{t}-{mode}" for t in tenants]
-    for i, name in enumerate(names):  # every mode's tenants start from the same weights
-        rt.create_slot(name, head, OptimizerSpec(lr=cfg_lr), seed=100 + i).result(60)
+    if warm:  # the same tenants, rolled back to their warm-start checkpoints
+        names = list(tenants)
+        for name in names:
+            rt.load_state(name, warm[name]).result(60)
+    else:  # fresh tenants per mode, from the same seeds
+        names = [f"{t}-{mode}" for t in tenants]
+        for i, name in enumerate(names):
+            rt.create_slot(name, head, OptimizerSpec(lr=cfg_lr), seed=100 + i).result(60)
     assert rt.publisher.flush(30)
     stats, errors = {}, []
     before = lane_counters(rt)
@@ -111,6 +141,10 @@ def main(argv=None) -> int:
                     help="torch threads per op (1: the lanes' ops run side by side instead of fighting for cores)")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="Python's GIL switch interval (default 5 ms)")
+    ap.add_argument("--warm-start", type=int, default=0, metavar="STEPS",
+                    help="SFT steps on scripted demonstrations before RL, the same start for both modes "
+                         "(RL then runs at lr 3e-5, 2 passes per segment, PPO critic warm-up)")
+    ap.add_argument("--warm-demos", type=int, default=200)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -123,6 +157,8 @@ def main(argv=None) -> int:
     head = HeadSpec("gaussian", 4, 4, 8)
     cfg = RLConfig(env=env, env_steps=steps, n_envs=args.n_envs, sub_batches=args.sub_batches, segment_steps=8,
                    max_staleness=2, minibatch_rows=32)
+    if args.warm_start:  # the gentle settings that keep a cloned policy (docs/RESULTS.md, RL from SFT)
+        cfg = RLConfig(**{**cfg.__dict__, "lr": 3e-5, "epochs": 2, "critic_warmup": 30, "max_staleness": 4})
     rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset=args.preset),
                                        inference_queue=InferenceQueueConfig(batch_rows=args.batch_rows or args.n_envs,
                                                                             max_wait_s=0.005))).start()
@@ -130,9 +166,17 @@ def main(argv=None) -> int:
     print(f"async RL: preset={args.preset}, {args.tenants} tenants x {steps} env steps, {env.task} at {image}px, "
           f"{cfg.sub_batches} sub-batches x {cfg.n_envs} envs, threads={torch.get_num_threads()}", flush=True)
     try:
+        warm = None
+        if args.warm_start:
+            import tempfile
+
+            tmp = Path(tempfile.mkdtemp(prefix="vlamux-async-rl-"))
+            warm = {t: tmp / f"{t}.safetensors" for t in tenants}
+            for t in tenants:
+                warm_start(rt, head, t, image, args.warm_start, args.warm_demos, warm[t])
         results = {}
         for mode in ("sync", "async"):
-            results[mode] = r = run_mode(rt, mode, tenants, head, cfg)
+            results[mode] = r = run_mode(rt, mode, tenants, head, cfg, warm)
             print(f"  {mode:5s}: {r['steps_per_s']:7.1f} env steps/s over {r['wall_s']:.1f}s; lanes busy "
                   + ", ".join(f"{k} {v:.1f}s" for k, v in r["lane_busy_s"].items()), flush=True)
     finally:
@@ -166,7 +210,8 @@ def main(argv=None) -> int:
                "curves": {"sync": s["curve"], "async": a["curve"]},
                "config": {"preset": args.preset, "tenants": args.tenants, "env_steps_per_tenant": steps,
                           "image_size": image, "sub_batches": cfg.sub_batches, "n_envs": cfg.n_envs,
-                          "segment_steps": cfg.segment_steps, "max_staleness": cfg.max_staleness},
+                          "segment_steps": cfg.segment_steps, "max_staleness": cfg.max_staleness,
+                          "warm_start_steps": args.warm_start, "lr": cfg.lr or cfg_lr, "epochs": cfg.epochs},
                "environment": environment("cpu")}
     path = write_json("async_rl_quick.json" if args.quick else "async_rl.json", payload, args.out)
     print(f"wrote {path}")

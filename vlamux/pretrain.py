@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from vlamux.model import BackboneSpec, HeadSpec, build_backbone, canonicalize, save_backbone
@@ -46,7 +47,10 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=5e-4)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--warmup", type=int, default=300)
+    ap.add_argument("--aux-weight", type=float, default=1.0,
+                    help="weight of the grounding loss: the query tokens predict where the episode ends")
     ap.add_argument("--horizon", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--data", default="data/demos/pretrain")
@@ -64,44 +68,89 @@ def main(argv=None) -> int:
     if not (root / "meta" / "info.json").exists():
         print(f"generating {args.episodes} expert episodes for each of {len(tasks)} tasks -> {root}", flush=True)
         generate(tasks, args.episodes, root, image_size=args.image_size, workers=2, progress=None)
-    sampler = ChunkSampler(LeRobotDataset(root), args.horizon, args.batch, CAMERAS, seed=args.seed)
+    dataset = LeRobotDataset(root)
+    sampler = ChunkSampler(dataset, args.horizon, args.batch, CAMERAS, seed=args.seed)
     stats = sampler.norm_stats("mean_std")
+    # Where each episode's gripper ends (normalised): for touch, lift and push alike, a point the
+    # instruction picks out in the image. Predicting it from the query tokens is what makes the
+    # backbone bind words to objects; behaviour cloning alone did not (docs/RESULTS.md).
+    state_key = "observation.state"
+    ends = torch.tensor(np.stack([np.asarray(dataset.episode_array(e, state_key), np.float32)[-1, :3]
+                                  for e in range(dataset.num_episodes)]))
+    ends = (ends - ends.mean(0)) / ends.std(0).clamp_min(1e-6)
 
     with seeded(args.seed):
         backbone = BuiltinBackbone(PRESETS[args.preset], f"builtin-{args.preset}-pretrained")
         head = build_head(HeadSpec("l1_chunk", ACTION_SPACE.dim, args.horizon, len(STATE_NAMES), width=128, depth=2),
                           backbone.meta.hidden_dim)
-    params = list(backbone.parameters()) + list(head.parameters())
+        aux = torch.nn.Linear(backbone.meta.hidden_dim, 3)
+    params = list(backbone.parameters()) + list(head.parameters()) + list(aux.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
     print(f"pretraining {args.preset} ({sum(p.numel() for p in backbone.parameters()) / 1e6:.2f}M) with an "
           f"l1_chunk head on {len(tasks)} tasks, {sampler.num_samples} samples, {args.steps} steps", flush=True)
     t0, epoch, it = time.time(), 0, None
     gen = torch.Generator().manual_seed(args.seed)
+    n_query = backbone.meta.n_query
+    data = _preload(sampler)
+    print(f"  preloaded {len(data['episode'])} frames in {time.time() - t0:.0f}s", flush=True)
     for step in range(1, args.steps + 1):
-        try:
-            batch = next(it)
-        except (StopIteration, TypeError):
-            it, epoch = iter(sampler.epoch(epoch)), epoch + 1
-            batch = next(it)
+        if it is None or len(it) < args.batch:  # a new epoch: a fresh permutation, seeded
+            it, epoch = sampler.order(epoch).tolist(), epoch + 1
+        idx, it = it[:args.batch], it[args.batch:]
+        batch = _batch(data, idx)
         obs, actions, mask = batch
         for g in opt.param_groups:
-            g["lr"] = args.lr * 0.5 * (1 + math.cos(math.pi * step / args.steps))
+            g["lr"] = args.lr * min(1.0, step / max(1, args.warmup)) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         cb = canonicalize(obs, backbone.schema, backbone.tokenizer, "cpu", torch.float32)
         feature = backbone.forward_group([cb])[0]
         state = stats["state"].normalize(obs.state) if stats.get("state") is not None else None
-        loss, _ = head.loss(feature, state, stats["action"].normalize(actions), mask, gen)
+        bc, _ = head.loss(feature, state, stats["action"].normalize(actions), mask, gen)
+        target = ends[data["episode"][idx]]
+        grounding = torch.nn.functional.mse_loss(aux(feature.hidden[:, :n_query].mean(1)), target)
+        loss = bc + args.aux_weight * grounding
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         if step % 200 == 0 or step == args.steps:
-            print(f"  step {step:5d}  {time.time() - t0:6.0f}s  loss {loss.item():.4f}", flush=True)
+            print(f"  step {step:5d}  {time.time() - t0:6.0f}s  bc {bc.item():.4f}  grounding {grounding.item():.4f}",
+                  flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_backbone(backbone, out)
     check = build_backbone(BackboneSpec(preset=args.preset, weights=str(out)))
     print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB); loads as {check.backbone_id}")
     return 0
+
+
+def _preload(sampler, chunk: int = 512) -> dict:
+    """Every frame of the dataset in memory, decoded once (a video decode per sample is the
+    bottleneck otherwise): images uint8 per camera, state, action chunks, instructions, episodes."""
+    out: dict = {"images": {}, "instruction": [], "state": [], "actions": [], "mask": [], "episode": []}
+    for s in range(0, sampler.num_samples, chunk):
+        ids = list(range(s, min(sampler.num_samples, s + chunk)))
+        obs, actions, mask = sampler.batch(ids)
+        for k, v in obs.images.items():
+            out["images"].setdefault(k, []).append(v)
+        out["instruction"] += list(obs.instruction)
+        out["state"].append(obs.state)
+        out["actions"].append(actions)
+        out["mask"].append(mask)
+        out["episode"] += [sampler.locate(i)[0] for i in ids]
+    out["images"] = {k: torch.cat(v) for k, v in out["images"].items()}
+    for k in ("state", "actions", "mask"):
+        out[k] = torch.cat(out[k])
+    out["episode"] = torch.tensor(out["episode"])
+    return out
+
+
+def _batch(data: dict, idx: list[int]):
+    from vlamux.model import Observation
+
+    i = torch.tensor(idx)
+    obs = Observation({k: v[i] for k, v in data["images"].items()}, [data["instruction"][j] for j in idx],
+                      data["state"][i])
+    return obs, data["actions"][i], data["mask"][i]
 
 
 if __name__ == "__main__":

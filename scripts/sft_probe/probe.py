@@ -224,7 +224,8 @@ def cmd_run(args) -> int:
     if args.head == "gaussian":
         options["init_log_std"] = args.init_log_std
     spec = HeadSpec(args.head, 4, args.horizon, 8 if use_state else 0, width=args.width, depth=args.depth,
-                    feature_layers=args.depth if args.feature_layers else 0, options=options)
+                    feature_layers=args.depth if args.feature_layers else 0,
+                    instruction_cond=args.instruction_cond, options=options)
     slot = runner.create_slot("probe", spec, OptimizerSpec(lr=args.lr, weight_decay=args.wd), seed=args.seed)
     slot.set_stats(stats["action"], stats["state"])
     if args.cosine:
@@ -307,7 +308,7 @@ def cmd_run(args) -> int:
             "image_size": image_size, "tasks": task_ids, "preset": args.preset,
             "backbone_image_size": args.backbone_image_size, "head": args.head, "horizon": args.horizon,
             "exec": n_exec, "width": args.width, "depth": args.depth, "feature_layers": spec.feature_layers,
-            "state": use_state, "batch": args.batch, "lr": args.lr, "cosine": args.cosine, "steps": args.steps,
+            "state": use_state, "instruction_cond": args.instruction_cond, "batch": args.batch, "lr": args.lr, "cosine": args.cosine, "steps": args.steps,
             "path": args.path, "final_loss": final_loss, "curve": curve, "train_s": t_train, "cache_s": t_cache,
             "train_steps_per_s": args.steps / t_train, "eval_s": t_eval,
             "wall_s": t_setup + t_cache + t_train + t_eval, "bench": bench, "eval": ev, "head_params": n_params,
@@ -367,6 +368,7 @@ def main(argv=None) -> int:
     r.add_argument("--depth", type=int, default=2)
     r.add_argument("--feature-layers", action="store_true", help="layer-wise cross-attention (feature_layers=depth)")
     r.add_argument("--no-state", action="store_true")
+    r.add_argument("--instruction-cond", default="adaln", choices=("none", "add", "adaln"))
     r.add_argument("--init-log-std", type=float, default=-0.5)
     r.add_argument("--batch", type=int, default=64)
     r.add_argument("--lr", type=float, default=1e-3)

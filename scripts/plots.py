@@ -1,0 +1,178 @@
+"""Regenerate the PNG plots of docs/RESULTS.md from the committed result files.
+
+    python scripts/plots.py            # or: make plots
+
+Reads bench/results/async_rl.json, bench/results/multi_tenant.json and the main job's record
+(bench/results/main_job/: summary.json and one metrics.csv per job, copied from a
+`python -m vlamux.main_job` run's workdir by `--record`), writes docs/img/*.png. A missing input
+file skips its plot with a line saying so; nothing is measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display on the machines this runs on
+import matplotlib.pyplot as plt  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+IMG = ROOT / "docs" / "img"
+MAIN_JOB = RESULTS / "main_job"
+
+
+def _load(path: Path) -> dict | None:
+    if not path.exists():
+        print(f"skip: {path.relative_to(ROOT)} not found")
+        return None
+    return json.loads(path.read_text())
+
+
+def _save(fig, name: str) -> None:
+    IMG.mkdir(parents=True, exist_ok=True)
+    out = IMG / name
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    print(f"wrote {out.relative_to(ROOT)}")
+
+
+def async_rl() -> None:
+    r = _load(RESULTS / "async_rl.json")
+    if r is None:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    modes = ["sync", "async"]
+    ax1.bar(modes, [r["sync_steps_per_s"], r["async_steps_per_s"]], color=["#888", "#2a7"])
+    sync = r["sync_steps_per_s"]
+    for label, factor, style in (("overlap limit", r["overlap_limit"], "--"), ("all cores busy", r.get("cpu_limit"), ":"),
+                                 ("paper's 1.86x", r["target"], "-.")):
+        if factor:
+            ax1.axhline(sync * factor, ls=style, color="k", lw=1)
+            ax1.text(-0.4, sync * factor, f" {label} ({factor:.2f}x)", va="bottom", fontsize=8)
+    ax1.set_ylabel("env steps / s")
+    ax1.set_title(f"throughput: speedup {r['speedup']:.2f}x")
+    for mode, color in (("sync", "#888"), ("async", "#2a7")):
+        pts = r["curves"].get(mode) or []
+        if pts:
+            ax2.plot([p[0] for p in pts], [p[1] for p in pts], label=mode, color=color)
+    ax2.set_xlabel("env steps")
+    ax2.set_ylabel("success rate (episodes so far)")
+    ax2.set_ylim(0, 1)
+    ax2.legend()
+    ax2.set_title("sample efficiency")
+    _save(fig, "async_rl.png")
+
+
+def multi_tenant() -> None:
+    r = _load(RESULTS / "multi_tenant.json")
+    if r is None:
+        return
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax1.bar(["isolated", "multi-tenant"], [r["isolated_wall_s"], r["multi_wall_s"]], color=["#888", "#27a"])
+    ax1.set_ylabel("wall time (s)")
+    ax1.set_title(f"same 3 RL + 1 SFT jobs: reduction {r['reduction']:.1%} (paper 28.3%)")
+    x = range(2)
+    w = 0.38
+    iso = [r["train_util_isolated"], r["infer_util_isolated"]]
+    mul = [r["train_util_multi"], r["infer_util_multi"]]
+    ax2.bar([i - w / 2 for i in x], iso, w, label="isolated", color="#888")
+    ax2.bar([i + w / 2 for i in x], mul, w, label="multi-tenant", color="#27a")
+    ax2.set_xticks(list(x), ["Training Model Service", "Inference Model Service"])
+    ax2.set_ylabel("utilisation (busy / wall)")
+    ax2.set_ylim(0, 1)
+    ax2.legend()
+    ax2.set_title(f"training utilisation x{r['train_util_multi'] / r['train_util_isolated']:.2f} (paper 1.99x)")
+    _save(fig, "multi_tenant.png")
+
+
+def _metrics(job: str) -> list[dict]:
+    path = MAIN_JOB / job / "metrics.csv"
+    if not path.exists():
+        return []
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def main_job() -> None:
+    summary = _load(MAIN_JOB / "summary.json")
+    if summary is None:
+        return
+    jobs = summary["results"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    ax_loss, ax_rl, ax_bar = axes
+    for name in jobs:
+        rows = _metrics(name)
+        sft = [(int(r["step"]), float(r["loss"])) for r in rows if r["phase"] == "sft" and r["loss"]]
+        if sft:
+            ax_loss.plot([s for s, _ in sft], [v for _, v in sft], label=name, lw=0.8)
+        rl = [(int(r["env_steps"]), float(r["success_rate"])) for r in rows
+              if r["phase"] == "rl" and r["success_rate"] and r["env_steps"]]
+        if rl:
+            ax_rl.plot([s for s, _ in rl], [v for _, v in rl], label=name)
+    ax_loss.set_xlabel("SFT step")
+    ax_loss.set_ylabel("training loss")
+    ax_loss.set_title("SFT (incl. RL tenants' warm start)")
+    ax_loss.legend(fontsize=8)
+    ax_rl.set_xlabel("env steps")
+    ax_rl.set_ylabel("success rate (recent episodes)")
+    ax_rl.set_ylim(0, 1)
+    ax_rl.set_title("RL, while training")
+    ax_rl.legend(fontsize=8)
+    names = list(jobs)
+    stages = [("before", "#bbb"), ("after_sft", "#8ac"), ("after", "#27a")]
+    w = 0.27
+    for k, (stage, color) in enumerate(stages):
+        xs, ys, err = [], [], [[], []]
+        for i, name in enumerate(names):
+            res = jobs[name].get(stage)
+            if not res:
+                continue
+            lo, hi = res["ci95"]
+            xs.append(i + (k - 1) * w)
+            ys.append(res["success"])
+            err[0].append(res["success"] - lo)
+            err[1].append(hi - res["success"])
+        ax_bar.bar(xs, ys, w, yerr=err, capsize=2, color=color, label=stage.replace("_", " "))
+    ax_bar.set_xticks(range(len(names)), names, fontsize=8)
+    ax_bar.set_ylabel("success (95% CI)")
+    ax_bar.set_ylim(0, 1)
+    ax_bar.legend(fontsize=8)
+    ax_bar.set_title("evaluation on seeded episodes")
+    _save(fig, "main_job.png")
+
+
+def record(workdir: Path) -> None:
+    """Copy a main job run's summary and metrics (its multi-tenant phase) into bench/results/main_job."""
+    src = workdir / "summary.json"
+    if not src.exists():
+        raise SystemExit(f"{src} not found: run `python -m vlamux.main_job --workdir {workdir}` first")
+    MAIN_JOB.mkdir(parents=True, exist_ok=True)
+    shutil.copy(src, MAIN_JOB / "summary.json")
+    for metrics in (workdir / "multi").glob("*/metrics.csv"):
+        (MAIN_JOB / metrics.parent.name).mkdir(exist_ok=True)
+        shutil.copy(metrics, MAIN_JOB / metrics.parent.name / "metrics.csv")
+    print(f"recorded {workdir} -> {MAIN_JOB.relative_to(ROOT)}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--record", metavar="WORKDIR", help="first copy a main job run's results (e.g. runs/main)")
+    args = ap.parse_args(argv)
+    if args.record:
+        record(Path(args.record))
+    async_rl()
+    multi_tenant()
+    main_job()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
