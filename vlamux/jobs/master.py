@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 import time
+import typing
 import uuid
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from vlamux.workflows.sft import SFTRun
 
 log = logging.getLogger(__name__)
 
-METRIC_FIELDS = ["time_s", "phase", "step", "loss", "success_rate", "env_steps", "env_steps_per_s",
+METRIC_FIELDS = ["time_s", "at", "phase", "step", "loss", "success_rate", "env_steps", "env_steps_per_s",
                  "policy_version", "staleness"]
 
 
@@ -46,10 +47,21 @@ class Job:
     transitions: list = dataclasses.field(default_factory=list)  # (wall time, state)
     cancel: threading.Event = dataclasses.field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    # Called as on_event(job, "state" | "checkpoint", detail) from the job's thread: how a service
+    # that outlives this process (the HTTP API's store) hears of transitions and checkpoints.
+    on_event: typing.Callable | None = None
 
     def _set(self, state: str) -> None:
         self.state = state
         self.transitions.append((time.time(), state))
+        self._emit("state", {"state": state, "error": self.error, "result": self.result})
+
+    def _emit(self, kind: str, detail: dict) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(self, kind, detail)
+            except Exception:  # noqa: BLE001 - a listener's failure must not fail the job
+                log.exception("job %s: %s listener failed", self.id, kind)
 
 
 class MasterService:
@@ -60,7 +72,10 @@ class MasterService:
         self._lock = threading.Lock()
 
     # ---- API ----------------------------------------------------------------------------------------
-    def submit(self, spec: JobSpec | dict | str | Path) -> Job:
+    def submit(self, spec: JobSpec | dict | str | Path, job_id: str | None = None, job_dir: str | Path | None = None,
+               on_event: typing.Callable | None = None) -> Job:
+        """Start a job. `job_dir` (default workdir/name) holds its checkpoint: a job submitted again
+        with the same directory resumes from there."""
         spec = spec if isinstance(spec, JobSpec) else load_spec(spec)
         preset = getattr(self.services.config.backbone, "preset", None)
         if spec.backbone != preset:
@@ -69,7 +84,8 @@ class MasterService:
         with self._lock:
             if any(j.spec.tenant == spec.tenant and j.state in ("queued", "running") for j in self.jobs.values()):
                 raise JobSpecError(f"tenant: {spec.tenant!r} already has a running job (one slot per tenant)")
-            job = Job(uuid.uuid4().hex[:12], spec, self.workdir / spec.name)
+            job = Job(job_id or uuid.uuid4().hex[:12], spec, Path(job_dir) if job_dir else self.workdir / spec.name,
+                      on_event=on_event)
             self.jobs[job.id] = job
         job._set("queued")
         job.thread = threading.Thread(target=self._run, args=(job,), name=f"vlamux-job-{spec.name}", daemon=True)
@@ -114,6 +130,8 @@ class MasterService:
             def checkpoint(phase: str, step: int, env_steps: int = 0) -> None:
                 svc.save_state(spec.tenant, ckpt).result(120)
                 _write_json(state_file, {"phase": phase, "step": step, "env_steps": env_steps})
+                job._emit("checkpoint", {"path": str(ckpt), "phase": phase, "step": step, "env_steps": env_steps,
+                                         "policy_version": svc.training.version(spec.tenant)})
 
             if sft is not None:
                 result["sft"] = self._sft(job, sft, metrics, checkpoint, resume)
@@ -206,15 +224,19 @@ class _MetricsFile:
     """Per-step metrics as CSV (one row per step, flushed as it goes), for plotting."""
 
     def __init__(self, path: Path, append: bool):
-        new = not (append and path.exists())
+        new = not (append and path.exists() and path.stat().st_size)
+        fields = METRIC_FIELDS
+        if not new:  # a resumed job keeps the columns its file started with
+            with path.open(newline="") as f:
+                fields = next(csv.reader(f), None) or METRIC_FIELDS
         self._f = path.open("w" if new else "a", newline="")
-        self._w = csv.DictWriter(self._f, METRIC_FIELDS)
+        self._w = csv.DictWriter(self._f, fields, extrasaction="ignore")
         if new:
             self._w.writeheader()
         self._t0 = time.monotonic()
 
     def row(self, **values) -> None:
-        self._w.writerow({"time_s": round(time.monotonic() - self._t0, 3), **values})
+        self._w.writerow({"time_s": round(time.monotonic() - self._t0, 3), "at": round(time.time(), 3), **values})
         self._f.flush()
 
     def close(self) -> None:

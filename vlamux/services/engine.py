@@ -46,4 +46,4 @@ class EngineLoop:
 
     def metrics(self) -> dict:
         return {"queue": self.queue.metrics(), "utilization": self.accounting.utilization(),
-                "tenants": len(self.runner.slots)}
+                "busy_s": self.accounting.busy_s, "tenants": len(self.runner.slots)}

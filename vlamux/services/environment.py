@@ -592,6 +592,11 @@ class EnvironmentService:
                 log.exception("environment service: reap failed")
 
     # ---- accounting ------------------------------------------------------------------------------
+    def tenants(self) -> list[str]:
+        """Every tenant that has used this service (for metering)."""
+        with self._lock:
+            return sorted(set(self._usage) | {s.tenant for s in self._sessions.values()})
+
     def usage(self, tenant: str) -> dict:
         """The tenant's totals since the service started (closed sessions included) and per open handle."""
         tenant = _tenant(tenant)

@@ -1,0 +1,262 @@
+"""The service store on real SQLite files: secrets, tenant isolation, durability, concurrency."""
+
+import sqlite3
+import threading
+
+import pytest
+
+from vlamux.store import Store
+from vlamux.store import store as store_mod
+
+SHA = "ab" * 32
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(data_dir=tmp_path / "svc")
+    yield s
+    s.close()
+
+
+def raw_dump(db_path) -> str:
+    """Every cell of every table, as text, read without SQLAlchemy."""
+    con = sqlite3.connect(db_path)
+    try:
+        tables = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+        return "\n".join(repr(row) for t in tables for row in con.execute(f"SELECT * FROM {t}"))
+    finally:
+        con.close()
+
+
+def test_default_url_creates_sqlite_file_in_wal_mode(tmp_path):
+    s = Store(data_dir=tmp_path / "a" / "b")
+    s.create_tenant("acme")
+    db = tmp_path / "a" / "b" / "vlamux.db"
+    assert db.is_file()
+    con = sqlite3.connect(db)
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    con.close()
+    s.close()
+
+
+def test_key_secret_authenticates_and_only_its_hash_is_stored(store, tmp_path):
+    t = store.create_tenant("acme")
+    key, secret = store.create_key(t.id, "ci")
+    assert secret.startswith(f"vmx_{key.id}_") and len(secret) > 40
+    got = store.authenticate(secret)
+    assert got is not None and got.id == key.id and got.tenant_id == t.id and not got.is_admin
+    assert got.last_used_at is not None
+    assert store.authenticate(secret + "x") is None
+    assert store.authenticate("") is None
+    dump = raw_dump(tmp_path / "svc" / "vlamux.db")
+    assert secret not in dump
+    assert secret.split("_", 2)[2] not in dump  # not even the random part
+    assert store_mod._hash(secret) in dump
+
+
+def test_revoked_key_and_disabled_tenant_do_not_authenticate(store):
+    t = store.create_tenant("acme")
+    k1, s1 = store.create_key(t.id)
+    k2, s2 = store.create_key(t.id)
+    assert store.revoke_key(k1.id, t.id) is True
+    assert store.authenticate(s1) is None
+    assert store.authenticate(s2) is not None
+    store.set_disabled(t.id, True)
+    assert store.authenticate(s2) is None
+    store.set_disabled(t.id, False)
+    assert store.authenticate(s2) is not None
+    assert [k.revoked_at is not None for k in store.list_keys(t.id)] == [True, False]
+
+
+def test_last_used_written_at_most_once_a_minute(store, monkeypatch):
+    t = store.create_tenant("acme")
+    _, secret = store.create_key(t.id)
+    clock = [1000.0]
+    monkeypatch.setattr(store_mod.time, "time", lambda: clock[0])
+    assert store.authenticate(secret).last_used_at == 1000.0
+    clock[0] = 1030.0
+    assert store.authenticate(secret).last_used_at == 1000.0
+    clock[0] = 1061.0
+    assert store.authenticate(secret).last_used_at == 1061.0
+    assert store.list_keys(t.id)[0].last_used_at == 1061.0
+
+
+def test_tenants_cannot_reach_each_others_rows(store):
+    a, b = store.create_tenant("alpha"), store.create_tenant("beta")
+    ka, sa = store.create_key(a.id)
+    kb, _ = store.create_key(b.id)
+    ja = store.create_job(a.id, "j", "sft", {"steps": 3}, "/w/a")
+    jb = store.create_job(b.id, "j", "rl", {}, "/w/b")
+    ca = store.add_checkpoint(a.id, "pol", 1, "/c/a", 10, SHA, job_id=ja.id)
+    store.add_checkpoint(b.id, "pol", 1, "/c/b", 10, SHA)
+
+    assert store.get_job(ja.id, tenant_id=b.id) is None
+    assert store.get_job(ja.id, tenant_id=a.id).id == ja.id
+    assert store.get_checkpoint(ca.id, b.id) is None
+    assert store.get_checkpoint(ca.id, a.id) == ca
+    # B revoking A's key looks exactly like revoking a missing key, and changes nothing.
+    assert store.revoke_key(ka.id, b.id) is False
+    assert store.revoke_key("nonexistent", b.id) is False
+    assert store.revoke_key(ka.id, None) is False  # an admin-key revoke does not reach tenant keys
+    assert store.authenticate(sa) is not None
+
+    assert [j.id for j in store.list_jobs(b.id)] == [jb.id]
+    assert [k.id for k in store.list_keys(b.id)] == [kb.id]
+    assert [c.tenant_id for c in store.list_checkpoints(b.id)] == [b.id]
+    assert store.list_checkpoints(b.id, job_id=ja.id) == []
+    assert store.count_jobs(b.id, ["queued"]) == 1
+    assert {j.id for j in store.list_jobs()} == {ja.id, jb.id}
+    with pytest.raises(KeyError, match="no job"):  # a checkpoint cannot cite another tenant's job
+        store.add_checkpoint(b.id, "pol", 2, "/c/b2", 1, SHA, job_id=ja.id)
+
+
+def test_job_transitions_log_events_in_order(store):
+    t = store.create_tenant("acme")
+    j = store.create_job(t.id, "ft", "sft", {"lr": 1e-3}, "/w")
+    assert j.state == "queued" and j.spec == {"lr": 1e-3}
+    store.set_job_state(j.id, "running", detail="picked up")
+    store.set_job_progress(j.id, {"step": 5, "loss": 0.5})
+    store.set_job_state(j.id, "failed", error="boom")
+    store.set_job_state(j.id, "queued", detail="retry")
+    done = store.set_job_state(j.id, "succeeded", result={"final_loss": 0.1})
+    events = store.job_events(j.id)
+    assert [e.state for e in events] == ["queued", "running", "failed", "queued", "succeeded"]
+    assert [e.detail for e in events][1:3] == ["picked up", "boom"]
+    assert all(e1.at <= e2.at and e1.id < e2.id for e1, e2 in zip(events, events[1:]))
+    assert done.error is None and done.result == {"final_loss": 0.1}
+    assert done.progress == {"step": 5, "loss": 0.5} and done.updated_at >= done.created_at
+    assert store.count_jobs(t.id, ["succeeded"]) == 1 and store.count_jobs(t.id, ["queued", "running"]) == 0
+
+
+def test_bad_job_input_and_unknown_ids(store):
+    t = store.create_tenant("acme")
+    j = store.create_job(t.id, "x", "sft", {}, "/w")
+    with pytest.raises(ValueError, match="state"):
+        store.set_job_state(j.id, "exploded")
+    with pytest.raises(ValueError, match="progress"):
+        store.set_job_progress(j.id, {"loss": float("nan")})
+    with pytest.raises(ValueError, match="spec"):
+        store.create_job(t.id, "x", "sft", {"f": object()}, "/w")
+    with pytest.raises(ValueError, match="states"):
+        store.list_jobs(t.id, states=["done"])
+    with pytest.raises(ValueError, match="sha256"):
+        store.add_checkpoint(t.id, "p", 1, "/c", 1, "nothex")
+    with pytest.raises(KeyError, match="no job 'nope'"):
+        store.set_job_state("nope", "running")
+    with pytest.raises(KeyError, match="no tenant"):
+        store.set_disabled("nope", True)
+    with pytest.raises(KeyError, match="no tenant"):
+        store.create_job("nope", "x", "sft", {}, "/w")
+    assert store.get_job("nope") is None and store.get_tenant("nope") is None
+    assert store.get_checkpoint("nope", t.id) is None and store.tenant_by_name("nope") is None
+    assert [e.state for e in store.job_events(j.id)] == ["queued"]  # rejected calls wrote nothing
+
+
+def test_unfinished_jobs_survive_reopen(tmp_path):
+    s1 = Store(data_dir=tmp_path)
+    t = s1.create_tenant("acme")
+    queued = s1.create_job(t.id, "q", "sft", {}, "/w/q")
+    running = s1.create_job(t.id, "r", "rl", {"env": "x"}, "/w/r")
+    done = s1.create_job(t.id, "d", "eval", {}, "/w/d")
+    s1.set_job_state(running.id, "running")
+    s1.set_job_progress(running.id, {"step": 7})
+    s1.set_job_state(done.id, "succeeded", result={"ok": True})
+    _, secret = s1.create_key(t.id)
+    s1.close()
+
+    s2 = Store(data_dir=tmp_path)  # a restarted server
+    assert [j.id for j in s2.unfinished_jobs()] == [queued.id, running.id]
+    r = s2.get_job(running.id)
+    assert r.state == "running" and r.progress == {"step": 7} and r.spec == {"env": "x"}
+    assert s2.get_job(done.id).result == {"ok": True}
+    assert [j.id for j in s2.list_jobs(t.id)] == [done.id, running.id, queued.id]  # newest first
+    assert [e.state for e in s2.job_events(running.id)] == ["queued", "running"]
+    assert s2.authenticate(secret).tenant_id == t.id
+    s2.close()
+
+
+def test_concurrent_usage_and_state_writes_are_exact(store):
+    tenants = [store.create_tenant(f"t{i}").id for i in range(2)]
+    jobs = [store.create_job(tenants[0], f"j{i}", "sft", {}, "/w").id for i in range(8)]
+    errors = []
+
+    def worker(i):
+        try:
+            tid = tenants[i % 2]
+            for n in range(200):
+                if n % 50 == 0:  # read-then-write transactions contend too
+                    store.set_job_state(jobs[i], "running", detail=str(n))
+                if n % 2:
+                    store.record_usage(tid, "gpu_s", 0.25, job_id=jobs[i])
+                else:
+                    store.record_usage_many([(tid, "steps", 1, None), (tid, "gpu_s", 0.25, None)])
+        except Exception as e:  # surfaced below; a thread's exception is otherwise lost
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert errors == []
+    # 4 threads per tenant x (100 single + 100 double rows): gpu_s 4*200*0.25, steps 4*100
+    expected = {"gpu_s": 200.0, "steps": 400.0}
+    assert store.usage_totals() == {tenants[0]: expected, tenants[1]: expected}
+    assert store.usage_totals(tenants[1]) == {tenants[1]: expected}
+    assert store.usage_totals(since=store_mod.time.time() + 10) == {}
+    assert all(len(store.job_events(j)) == 1 + 4 for j in jobs)
+
+
+def test_record_usage_many_is_all_or_nothing(store):
+    t = store.create_tenant("acme")
+    with pytest.raises(ValueError, match="amount"):
+        store.record_usage_many([(t.id, "gpu_s", 1.0, None), (t.id, "gpu_s", float("inf"), None)])
+    assert store.usage_totals() == {}
+
+
+@pytest.mark.parametrize("bad", ["", "a" * 65, "has space", "slash/name", "semi;colon", "newline\n", 7, None])
+def test_bad_tenant_names_raise_naming_name(store, bad):
+    with pytest.raises(ValueError, match="name"):
+        store.create_tenant(bad)
+
+
+def test_tenant_crud_and_duplicate_name(store):
+    t = store.create_tenant("team-1.a_b", quotas={"gpu_s": 100})
+    with pytest.raises(ValueError, match="exists"):
+        store.create_tenant("team-1.a_b")
+    assert store.tenant_by_name("team-1.a_b") == t
+    assert store.set_quotas(t.id, {"gpu_s": 5}).quotas == {"gpu_s": 5}
+    assert store.set_disabled(t.id, True).disabled is True
+    assert store.get_tenant(t.id).disabled is True and store.get_tenant(t.id).quotas == {"gpu_s": 5}
+    assert [x.name for x in store.list_tenants()] == ["team-1.a_b"]
+    with pytest.raises(ValueError, match="quotas"):
+        store.set_quotas(t.id, ["not", "a", "dict"])
+
+
+def test_ensure_admin_key(tmp_path):
+    s = Store(data_dir=tmp_path)
+    first = s.ensure_admin_key(None)
+    assert first is not None and s.authenticate(first).is_admin
+    assert s.ensure_admin_key(None) is None  # one exists: nothing new
+    assert s.ensure_admin_key("env-secret-123") == "env-secret-123"  # configured secret added
+    assert s.authenticate("env-secret-123").is_admin and s.authenticate(first).is_admin
+    assert s.ensure_admin_key("env-secret-123") is None
+    assert len(s.list_keys(None)) == 2
+    s.close()
+
+    s = Store(data_dir=tmp_path)  # restart with the same configured secret: still valid, not duplicated
+    assert s.ensure_admin_key("env-secret-123") is None and len(s.list_keys(None)) == 2
+    admin = s.authenticate("env-secret-123")
+    assert s.revoke_key(admin.id, None) is True
+    assert s.ensure_admin_key("env-secret-123") is None  # a revoked secret stays revoked
+    assert s.authenticate("env-secret-123") is None
+    t = s.create_tenant("acme")
+    _, tenant_secret = s.create_key(t.id)
+    with pytest.raises(ValueError, match="tenant"):
+        s.ensure_admin_key(tenant_secret)  # a tenant key must never be promoted to admin
+    assert not s.authenticate(tenant_secret).is_admin
+    s.close()
+
+    fresh = Store(data_dir=tmp_path / "fresh")  # first start with a configured secret uses it
+    assert fresh.ensure_admin_key("boot") == "boot" and fresh.ensure_admin_key(None) is None
+    fresh.close()

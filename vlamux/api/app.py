@@ -1,0 +1,381 @@
+"""The HTTP API (FastAPI): routes translate HTTP into `ServiceHost` calls and errors into answers.
+
+Every route under /v1 resolves the caller's key first; every id it takes is looked up for that
+caller's tenant by the host, so another tenant's id answers 404 exactly like a missing one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vlamux.api import wire
+from vlamux.api.errors import ApiError, BodyLimit, error_response, translate
+from vlamux.api.host import NotFound, Principal, ServiceHost
+from vlamux.api.validate import (MSGPACK, MSGPACK_OUT, KeyIn, LoadStateIn, OptimStepIn, QuotasIn, ResetIn, SessionIn,
+                                 SlotIn, TenantIn, check_env, check_head, check_optimizer, env_error, fits_head,
+                                 floats, head_error, invalid, obs_out, observation)
+from vlamux.envs.base import EnvError, EnvWorkerCrashed
+from vlamux.errors import InvalidInputError, VlamuxError
+
+log = logging.getLogger(__name__)
+STATIC = Path(__file__).parent / "static"
+
+
+def create_app(host: ServiceHost) -> FastAPI:
+    app = FastAPI(title="vlamux", version="0.1.0",
+                  description="Multi-tenant post-training service for VLA robot policies. See docs/API.md.")
+    limit = int(host.config.max_body_mb * 1024 * 1024)
+
+    # Handlers per class: an exception reaching Starlette's catch-all is re-raised after the 500.
+    for cls in (ApiError, VlamuxError, wire.WireError, TimeoutError, Exception):
+        app.add_exception_handler(cls, lambda request, e: translate(e))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        if err.get("type") == "json_invalid":  # loc is ("body", <offset>): the body as a whole
+            return error_response(422, "invalid_input", f"body: not valid JSON ({err.get('msg')})", "body")
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query", "path")]
+        field = ".".join(loc) or "body"
+        return error_response(422, "invalid_input", f"{field}: {err.get('msg')}", field)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        """Starlette's own answers (no such route, method not allowed, body too large) in our format."""
+        kinds = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+        kind = kinds.get(e.status_code, "invalid_input" if e.status_code < 500 else "server_error")
+        if e.status_code == 400:  # FastAPI's "There was an error parsing the body" (an optional body)
+            return error_response(400, kind, f"body: {e.detail}", "body")
+        return error_response(e.status_code, kind, str(e.detail), headers=getattr(e, "headers", None))
+
+    app.add_middleware(BodyLimit, limit=limit)
+
+    async def principal(request: Request) -> Principal:
+        auth = request.headers.get("authorization", "")
+        if not auth.lower().startswith("bearer "):
+            raise ApiError(401, "unauthenticated", "missing 'Authorization: Bearer <api key>'",
+                           headers={"WWW-Authenticate": "Bearer"})
+        p = host.authenticate(auth[7:].strip())
+        if p is None:
+            raise ApiError(401, "unauthenticated", "unknown, revoked or disabled API key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        host.admit(p)
+        return p
+
+    async def tenant(p: Principal = Depends(principal)) -> str:
+        if p.is_admin:
+            raise ApiError(403, "forbidden", "this route acts as a tenant; use a tenant's key")
+        return p.tenant_id
+
+    async def admin(p: Principal = Depends(principal)) -> Principal:
+        if not p.is_admin:
+            raise ApiError(403, "forbidden", "admin only")
+        return p
+
+    async def msgpack_body(request: Request) -> Any:
+        ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if ctype not in (wire.CONTENT_TYPE, "application/x-msgpack"):
+            raise ApiError(415, "invalid_input", f"content-type: expected {wire.CONTENT_TYPE}", "content-type")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, "payload_too_large", f"body over the limit of {limit} bytes")
+            chunks.append(chunk)
+        return wire.loads(b"".join(chunks))
+
+    def packed(obj, status: int = 200) -> Response:
+        return Response(wire.dumps(obj), status_code=status, media_type=wire.CONTENT_TYPE)
+
+    # ---- service ---------------------------------------------------------------------------
+    @app.get("/healthz")
+    def healthz():
+        return {"ok": True, "uptime_s": round(__import__("time").time() - host.started_at, 1)}
+
+    @app.get("/dashboard", include_in_schema=False)
+    def dashboard():
+        return FileResponse(STATIC / "dashboard.html", media_type="text/html")
+
+    from fastapi.staticfiles import StaticFiles
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")  # the dashboard's script and styles
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    def metrics(p: Principal = Depends(admin)):
+        from vlamux.api.prometheus import render
+
+        return PlainTextResponse(render(host), media_type="text/plain; version=0.0.4")
+
+    # ---- tenants and keys ------------------------------------------------------------------
+    @app.post("/v1/tenants", status_code=201)
+    def create_tenant(body: TenantIn, p: Principal = Depends(admin)):
+        try:
+            t = host.store.create_tenant(body.name, body.quotas.model_dump(exclude_none=True) if body.quotas else None)
+        except ValueError as e:
+            if "exists" in str(e):
+                raise ApiError(409, "conflict", str(e), "name") from None
+            raise
+        _, secret = host.store.create_key(t.id, "default")
+        return {"tenant": _tenant_view(host, t), "api_key": secret}
+
+    @app.get("/v1/tenants")
+    def list_tenants(p: Principal = Depends(admin)):
+        return {"tenants": [_tenant_view(host, t) for t in host.store.list_tenants()]}
+
+    def _admin_tenant(tenant_id: str):
+        t = host.store.get_tenant(tenant_id)
+        if t is None:
+            raise NotFound(f"no tenant {tenant_id!r}")
+        return t
+
+    @app.post("/v1/tenants/{tenant_id}/disable")
+    def disable_tenant(tenant_id: str, p: Principal = Depends(admin)):
+        _admin_tenant(tenant_id)
+        return {"tenant": _tenant_view(host, host.store.set_disabled(tenant_id, True))}
+
+    @app.post("/v1/tenants/{tenant_id}/enable")
+    def enable_tenant(tenant_id: str, p: Principal = Depends(admin)):
+        _admin_tenant(tenant_id)
+        return {"tenant": _tenant_view(host, host.store.set_disabled(tenant_id, False))}
+
+    @app.put("/v1/tenants/{tenant_id}/quotas")
+    def set_quotas(tenant_id: str, body: QuotasIn, p: Principal = Depends(admin)):
+        t = _admin_tenant(tenant_id)
+        quotas = {**(t.quotas or {}), **body.model_dump(exclude_none=True)}
+        host.store.set_quotas(tenant_id, quotas)
+        return {"tenant": _tenant_view(host, host.store.get_tenant(tenant_id))}
+
+    @app.post("/v1/keys", status_code=201)
+    def create_key(body: KeyIn, t: str = Depends(tenant)):
+        key, secret = host.store.create_key(t, body.name)
+        return {"key": _key_view(key), "api_key": secret}
+
+    @app.get("/v1/me")
+    def me(p: Principal = Depends(principal)):
+        """Who the key belongs to: the admin, or a tenant with its name and quotas."""
+        if p.is_admin:
+            return {"admin": True, "tenant": None}
+        return {"admin": False, "tenant": _tenant_view(host, host.store.get_tenant(p.tenant_id))}
+
+    @app.get("/v1/keys")
+    def list_keys(t: str = Depends(tenant)):
+        return {"keys": [_key_view(k) for k in host.store.list_keys(t)]}
+
+    @app.delete("/v1/keys/{key_id}", status_code=204)
+    def revoke_key(key_id: str, t: str = Depends(tenant)):
+        if not host.store.revoke_key(key_id, t):
+            raise NotFound(f"no key {key_id!r}")
+        return Response(status_code=204)
+
+    # ---- datasets and jobs -----------------------------------------------------------------
+    @app.get("/v1/datasets")
+    def datasets(t: str = Depends(tenant)):
+        return {"datasets": host.datasets()}
+
+    @app.post("/v1/jobs", status_code=202)
+    def submit(spec: dict[str, Any], t: str = Depends(tenant)):
+        check_head(spec.get("head"))
+        check_optimizer(spec.get("optimizer"))
+        # The Master Service checks the backbone only after the job's record is made (which would
+        # then stay "queued" for ever, counting against the tenant's job quota): check it first.
+        if "backbone" in spec and spec["backbone"] != host.config.backbone:
+            raise invalid("backbone", f"this service runs the {host.config.backbone!r} backbone, "
+                                       f"the spec asks for {spec['backbone']!r}")
+        return {"job": host.submit_job(t, spec)}
+
+    @app.get("/v1/jobs")
+    def jobs(state: str | None = None, t: str = Depends(tenant)):
+        if state is not None and state not in ("queued", "running", "succeeded", "failed", "cancelled"):
+            raise ApiError(422, "invalid_input", f"state: unknown state {state!r}", "state")
+        return {"jobs": host.list_jobs(t, state)}
+
+    @app.get("/v1/jobs/{job_id}")
+    def job(job_id: str, t: str = Depends(tenant)):
+        return {"job": host.job_view(t, job_id)}
+
+    @app.post("/v1/jobs/{job_id}/cancel")
+    def cancel(job_id: str, t: str = Depends(tenant)):
+        return {"job": host.cancel_job(t, job_id)}
+
+    @app.get("/v1/jobs/{job_id}/logs")
+    def logs(job_id: str, since: int = Query(default=0, ge=0, le=10**9), t: str = Depends(tenant)):
+        lines, nxt = host.job_logs(t, job_id, since)
+        return {"lines": lines, "next": nxt}
+
+    @app.get("/v1/jobs/{job_id}/metrics")
+    def job_metrics(job_id: str, since: int = Query(default=0, ge=0, le=10**9), t: str = Depends(tenant)):
+        rows, nxt = host.job_metrics(t, job_id, since)
+        return {"rows": rows, "next": nxt}
+
+    @app.get("/v1/jobs/{job_id}/checkpoints")
+    def job_checkpoints(job_id: str, t: str = Depends(tenant)):
+        return {"checkpoints": host.job_checkpoints(t, job_id)}
+
+    # ---- policies, inference and low-level training ----------------------------------------
+    @app.get("/v1/policies")
+    def policies(t: str = Depends(tenant)):
+        return {"policies": host.list_policies(t)}
+
+    @app.get("/v1/policies/{policy_id}")
+    def policy(policy_id: str, t: str = Depends(tenant)):
+        return {"policy": host.policy_view(t, policy_id)}
+
+    @app.get("/v1/policies/{policy_id}/versions")
+    def versions(policy_id: str, t: str = Depends(tenant)):
+        return host.policy_versions(t, policy_id)
+
+    @app.post("/v1/policies/{policy_id}/predict", openapi_extra=MSGPACK, responses=MSGPACK_OUT)
+    def predict(policy_id: str, t: str = Depends(tenant), body=Depends(msgpack_body)):
+        if not isinstance(body, dict):
+            raise ApiError(422, "invalid_input", "body: expected a map with 'observation'", "body")
+        obs = observation(body.get("observation"))
+        deterministic = body.get("deterministic", False)
+        if not isinstance(deterministic, bool):
+            raise invalid("deterministic", f"expected true or false, got {deterministic!r}")
+        fits_head(host.policy_view(t, policy_id)["head"], obs)
+        out = host.predict(t, policy_id, obs, deterministic).result(60)
+        return packed({"actions": out["actions"], "policy_version": int(out["policy_version"])})
+
+    @app.post("/v1/training/slots", status_code=201)
+    def create_slot(body: SlotIn, t: str = Depends(tenant)):
+        check_head(body.head)
+        check_optimizer(body.optimizer)
+        try:
+            return {"policy": host.create_training_slot(t, body.model_dump(exclude_none=True))}
+        except ValueError as e:  # raised while the training service builds the head
+            if (err := head_error(e)) is None:
+                raise
+            raise err from None
+
+    @app.post("/v1/training/slots/{policy_id}/forward_backward", status_code=202, openapi_extra=MSGPACK)
+    def forward_backward(policy_id: str, t: str = Depends(tenant), body=Depends(msgpack_body)):
+        if not isinstance(body, dict):
+            raise ApiError(422, "invalid_input", "body: expected a map with observation, actions", "body")
+        obs = observation(body.get("observation"))
+        actions = floats(body.get("actions"), "actions", ndim=3)
+        mask = body.get("action_mask")
+        if mask is not None:
+            import torch
+
+            if not isinstance(mask, np.ndarray) or mask.dtype != np.bool_ or mask.shape != tuple(actions.shape[:2]):
+                raise ApiError(422, "invalid_input", f"action_mask: expected bool {list(actions.shape[:2])}",
+                               "action_mask")
+            mask = torch.from_numpy(mask)
+        if actions.shape[0] != obs.batch_size:
+            raise ApiError(422, "invalid_input", f"actions: batch {actions.shape[0]} != {obs.batch_size} observations",
+                           "actions")
+        fits_head(host.policy_view(t, policy_id)["head"], obs, actions)
+        return {"future": host.forward_backward(t, policy_id, obs, actions, mask)}
+
+    @app.post("/v1/training/slots/{policy_id}/optim_step", status_code=202)
+    def optim_step(policy_id: str, body: OptimStepIn | None = None, t: str = Depends(tenant)):
+        return {"future": host.optim_step(t, policy_id, body.lr if body else None)}
+
+    @app.post("/v1/training/slots/{policy_id}/save_state", status_code=202)
+    def save_state(policy_id: str, t: str = Depends(tenant)):
+        return {"future": host.save_state(t, policy_id)}
+
+    @app.post("/v1/training/slots/{policy_id}/load_state", status_code=202)
+    def load_state(policy_id: str, body: LoadStateIn, t: str = Depends(tenant)):
+        return {"future": host.load_state(t, policy_id, body.checkpoint_id)}
+
+    @app.get("/v1/futures/{future_id}")
+    def future(future_id: str, wait: float = Query(default=0.0, ge=0.0, le=30.0), t: str = Depends(tenant)):
+        return {"future": host.future_view(t, future_id, wait)}
+
+    # ---- environment sessions --------------------------------------------------------------
+    @app.post("/v1/sessions", status_code=201)
+    def open_session(body: SessionIn, t: str = Depends(tenant)):
+        check_env(body.env)
+        try:
+            info = host.open_session(t, body.env, body.n_envs, body.seed)
+        except (InvalidInputError, EnvError) as e:
+            if isinstance(e, (TimeoutError, EnvWorkerCrashed)):  # the service's trouble, not the spec's
+                raise
+            raise env_error(e) from None
+        return {"session": _session_view(info)}
+
+    @app.get("/v1/sessions")
+    def sessions(t: str = Depends(tenant)):
+        return {"sessions": [_session_view(s) for s in host.runtime.environment.list_sessions(t)]}
+
+    @app.post("/v1/sessions/{session_id}/reset", responses=MSGPACK_OUT)
+    def reset(session_id: str, body: ResetIn | None = None, t: str = Depends(tenant)):
+        obs, _ = host.runtime.environment.reset(t, session_id, seed=body.seed if body else None)
+        return packed({"observation": obs_out(obs)})
+
+    @app.post("/v1/sessions/{session_id}/step", openapi_extra=MSGPACK, responses=MSGPACK_OUT)
+    def step(session_id: str, t: str = Depends(tenant), body=Depends(msgpack_body)):
+        if not isinstance(body, dict):
+            raise ApiError(422, "invalid_input", "body: expected a map with 'actions'", "body")
+        a = body.get("actions")
+        if not isinstance(a, np.ndarray) or a.dtype.kind != "f" or a.ndim not in (2, 3):
+            raise ApiError(422, "invalid_input", "actions: expected float [N, A] or [N, H, A]", "actions")
+        with np.errstate(over="ignore"):
+            a = a.astype(np.float32)  # before the check: a float64 1e300 is infinite as float32
+        if not np.isfinite(a).all():
+            raise invalid("actions", "contains NaN or infinity (as float32)")
+        obs, reward, term, trunc, infos = host.runtime.environment.step(t, session_id, a)
+        success = [bool(i.get("success", False)) if isinstance(i, dict) else False for i in (infos or [])]
+        return packed({"observation": obs_out(obs), "reward": np.asarray(reward, np.float32),
+                       "terminated": np.asarray(term, bool), "truncated": np.asarray(trunc, bool),
+                       "success": success})
+
+    @app.delete("/v1/sessions/{session_id}", status_code=204)
+    def close_session(session_id: str, t: str = Depends(tenant)):
+        host.runtime.environment.close_session(t, session_id)
+        return Response(status_code=204)
+
+    # ---- usage -----------------------------------------------------------------------------
+    @app.get("/v1/usage")
+    def usage(tenant: str | None = Query(default=None, max_length=64, description="admin: one tenant's id"),
+              p: Principal = Depends(principal)):
+        tenant_id = tenant
+        if not p.is_admin:
+            if tenant_id not in (None, p.tenant_id):
+                raise NotFound(f"no tenant {tenant_id!r}")
+            tenant_id = p.tenant_id
+        return {"usage": _usage(host, tenant_id)}
+
+    return app
+
+
+def _tenant_view(host: ServiceHost, t) -> dict:
+    return {"id": t.id, "name": t.name, "disabled": t.disabled, "created_at": t.created_at,
+            "quotas": host.quotas(t.id)}
+
+
+def _key_view(k) -> dict:
+    return {"id": k.id, "name": k.name, "created_at": k.created_at, "revoked": k.revoked_at is not None,
+            "last_used_at": k.last_used_at}
+
+
+def _session_view(s: dict) -> dict:
+    spec = s.get("spec")
+    return {"id": s["session_id"], "n_envs": s["n_envs"], "n_workers": s["n_workers"],
+            "env": dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) else spec,
+            "env_steps": s.get("env_steps", 0), "idle_s": round(s.get("idle_s", 0.0), 3)}
+
+
+def _usage(host: ServiceHost, tenant_id: str | None) -> dict:
+    """tenant id -> usage; stored bytes are the tenant's checkpoints on disk now."""
+    totals = host.store.usage_totals(tenant_id)
+    ids = [tenant_id] if tenant_id is not None else [t.id for t in host.store.list_tenants()]
+    zero = {"backbone_s": 0.0, "head_s": 0.0, "env_steps": 0.0, "requests": 0.0}
+    return {tid: {**zero, **totals.get(tid, {}),
+                  "stored_bytes": _stored_bytes(host, tid)} for tid in ids}
+
+
+def _stored_bytes(host: ServiceHost, tenant_id: str) -> int:
+    """The tenant's checkpoint files on disk now (a job rewrites one file, registered at every save)."""
+    paths = {c.path for c in host.store.list_checkpoints(tenant_id)}
+    return sum(Path(p).stat().st_size for p in paths if Path(p).exists())

@@ -1,0 +1,102 @@
+"""How the API answers errors: one JSON shape, ``{"error": {"type", "message", "field"}}``, the status
+a client can act on, and `Retry-After` where waiting helps. Also the request-body size limit."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from vlamux.api import wire
+from vlamux.api.host import Conflict, NotFound, QuotaExceeded
+from vlamux.errors import IncompatibleError, InvalidInputError, UnknownTenantError, VlamuxError
+
+log = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, type_: str, message: str, field: str | None = None, headers=None):
+        super().__init__(message)
+        self.status, self.type, self.message, self.field, self.headers = status, type_, message, field, headers
+
+
+def error_response(status: int, type_: str, message: str, field: str | None = None, headers=None) -> JSONResponse:
+    body = {"error": {"type": type_, "message": message}}
+    if field:
+        body["error"]["field"] = field
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def field_of(message: str) -> str | None:
+    """Our errors start with the field they are about: "head.horizon: must be ..."."""
+    head = message.split(":", 1)[0]
+    return head if head and " " not in head and len(head) < 80 else None
+
+
+def translate(e: Exception) -> JSONResponse:
+    if isinstance(e, ApiError):
+        return error_response(e.status, e.type, e.message, e.field, e.headers)
+    if isinstance(e, QuotaExceeded):
+        retry = max(1, math.ceil(e.retry_after_s))
+        kind = "rate_limited" if str(e).startswith("rate") else "quota_exceeded"
+        return error_response(429, kind, str(e), headers={"Retry-After": str(retry)})
+    if isinstance(e, (NotFound, UnknownTenantError)) or type(e).__name__ in ("SessionNotFound", "DatasetNotFound"):
+        return error_response(404, "not_found", str(e.args[0]) if e.args else "not found")
+    if isinstance(e, Conflict):
+        return error_response(409, "conflict", str(e))
+    if isinstance(e, wire.WireError) and not e.field:  # the body as a whole does not decode
+        message = str(e) if str(e).startswith("body") else f"body: {e}"
+        return error_response(422, "invalid_input", message, "body")
+    if isinstance(e, (InvalidInputError, wire.WireError, IncompatibleError)):
+        field = getattr(e, "field", None) or field_of(str(e))
+        return error_response(422, "invalid_input", str(e), field)
+    if type(e).__name__ == "QuotaExceeded":  # the Environment Service's own limits
+        return error_response(429, "quota_exceeded", str(e), headers={"Retry-After": "5"})
+    if type(e).__name__ == "QueueClosed":  # no replica can take it right now (restarting, not yet staged)
+        return error_response(503, "unavailable", str(e), headers={"Retry-After": "1"})
+    if isinstance(e, TimeoutError):
+        return error_response(503, "unavailable", f"timed out: {e}", headers={"Retry-After": "2"})
+    if isinstance(e, VlamuxError):
+        return error_response(422, "invalid_input", str(e), field_of(str(e)))
+    log.exception("unexpected error", exc_info=e)
+    return error_response(500, "server_error", f"{type(e).__name__}: {e}")
+
+
+class BodyLimit:
+    """413 for a body over `limit` bytes: at once when content-length says so, else as it streams in.
+
+    A pure ASGI middleware, so that a chunked body (no content-length) is counted too, whatever
+    reads it (FastAPI's JSON parsing or `msgpack_body`)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None:
+            try:
+                n = int(length)
+                if n < 0:
+                    raise ValueError
+            except ValueError:
+                return await error_response(400, "invalid_input", "content-length: not a non-negative integer",
+                                    "content-length")(scope, receive, send)
+            if n > self.limit:
+                return await error_response(413, "payload_too_large", f"body of {n} bytes; the limit is {self.limit}")(
+                    scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit:  # handled by the app's HTTPException handler: 413 in our format
+                    raise StarletteHTTPException(413, f"body over the limit of {self.limit} bytes")
+            return message
+
+        await self.app(scope, counted, send)

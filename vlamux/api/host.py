@@ -1,0 +1,531 @@
+"""The service host: what `vlamux serve` runs behind the HTTP API.
+
+It owns the runtime (embedded or Ray), the Master Service and the store, and is where a tenant's
+request becomes service calls: every resource id is looked up *for the calling tenant* here, so a
+route cannot reach another tenant's job, policy, session or checkpoint by accident.
+
+Inside the services a policy is a slot keyed ``<tenant id>/<policy id>``: a tenant may run several
+jobs and training slots at once, and their states never mix. A job's policy id is its job id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from vlamux.api.metering import Meter, RateLimiter
+from vlamux.errors import InvalidInputError, VlamuxError
+from vlamux.jobs.master import MasterService
+from vlamux.jobs.spec import JobSpecError, load_spec
+from vlamux.store import Store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_QUOTAS = {"max_concurrent_jobs": 4, "max_env_sessions": 8, "requests_per_s": 50.0}
+FUTURE_TTL_S = 600.0  # a finished future's result is kept this long for the client to read
+
+
+class NotFound(VlamuxError, KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "not found"
+
+
+class Conflict(VlamuxError):
+    pass
+
+
+class QuotaExceeded(VlamuxError):
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class ServiceConfig:
+    data_dir: Path = Path("data/service")
+    store_url: str | None = None
+    backbone: str = "tiny"
+    ray_address: str | None = None  # None: the embedded runtime
+    max_body_mb: float = 64.0
+    meter_every_s: float = 2.0
+    default_quotas: dict = field(default_factory=lambda: dict(DEFAULT_QUOTAS))
+    env_workers: int | None = None  # simulator processes per session (None: the service's default)
+
+
+@dataclass(frozen=True)
+class Principal:
+    key_id: str
+    tenant_id: str | None  # None: the admin
+
+    @property
+    def is_admin(self) -> bool:
+        return self.tenant_id is None
+
+
+@dataclass
+class _Future:
+    id: str
+    tenant_id: str
+    op: str
+    future: Future
+    created: float = field(default_factory=time.time)
+    done_at: float | None = None
+
+
+def slot_key(tenant_id: str, policy_id: str) -> str:
+    return f"{tenant_id}/{policy_id}"
+
+
+class ServiceHost:
+    def __init__(self, config: ServiceConfig | None = None, runtime=None):
+        self.config = config or ServiceConfig()
+        self.data_dir = Path(self.config.data_dir)
+        self.store = Store(self.config.store_url, self.data_dir)
+        self._runtime = runtime
+        self.runtime = None
+        self.master: MasterService | None = None
+        self.meter: Meter | None = None
+        self.limiter = RateLimiter()
+        self._futures: dict[str, _Future] = {}
+        self._lock = threading.Lock()
+        self.started_at = time.time()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self, admin_key: str | None = None) -> str | None:
+        """Start the services and resume every job that was running; returns a new admin key, once."""
+        (self.data_dir / "datasets").mkdir(parents=True, exist_ok=True)
+        new_admin = self.store.ensure_admin_key(admin_key or os.environ.get("VLAMUX_ADMIN_KEY") or None)
+        self.runtime = self._runtime or self._build_runtime()
+        self.master = MasterService(self.runtime, self.data_dir / "jobs")
+        self._restore_slots()
+        self._resume_jobs()
+        self.meter = Meter(self, self.config.meter_every_s).start()
+        return new_admin
+
+    def _build_runtime(self):
+        from vlamux.model import BackboneSpec
+
+        env = {"allowed_dataset_roots": [self.data_dir / "datasets"]}
+        if self.config.ray_address:
+            # The workflows (SFT, RL, evaluation) and this host call the services through the embedded
+            # runtime's in-process surface; the Ray runtime's actors are not behind it yet.
+            raise NotImplementedError("serve --ray: the API host runs the services on the embedded runtime only "
+                                      "for now; the Ray runtime is available from Python (RayRuntime)")
+        from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
+
+        return EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset=self.config.backbone),
+                                             environment=env)).start()
+
+    def stop(self) -> None:
+        if self.meter is not None:
+            self.meter.stop()  # never raises: the runtime below must stop regardless
+        if self.master is not None:  # jobs stay "running" in the store: the next start resumes them
+            for job in list(self.master.jobs.values()):
+                job.on_event = None
+                job.cancel.set()
+            for job in list(self.master.jobs.values()):
+                if job.thread is not None:
+                    job.thread.join(30)
+        if self.runtime is not None and self._runtime is None:
+            self.runtime.stop()
+
+    # ---- authentication and tenants -------------------------------------------------------------
+    def authenticate(self, secret: str) -> Principal | None:
+        key = self.store.authenticate(secret)
+        return None if key is None else Principal(key.id, key.tenant_id)
+
+    def quotas(self, tenant_id: str) -> dict:
+        t = self.store.get_tenant(tenant_id)
+        return {**self.config.default_quotas, **((t.quotas if t else None) or {})}
+
+    def admit(self, p: Principal) -> None:
+        """Per-tenant request rate (the admin is not limited)."""
+        if p.is_admin:
+            return
+        wait = self.limiter.take(p.tenant_id, float(self.quotas(p.tenant_id)["requests_per_s"]))
+        if wait > 0:
+            raise QuotaExceeded(f"rate limited: more than {self.quotas(p.tenant_id)['requests_per_s']} requests/s",
+                                retry_after_s=wait)
+
+    # ---- jobs -----------------------------------------------------------------------------------
+    def submit_job(self, tenant_id: str, spec: dict) -> dict:
+        if not isinstance(spec, dict):
+            raise JobSpecError("spec: expected a JSON object")
+        running = self.store.count_jobs(tenant_id, ("queued", "running"))
+        limit = int(self.quotas(tenant_id)["max_concurrent_jobs"])
+        if running >= limit:
+            raise QuotaExceeded(f"quota: {running} jobs running, max_concurrent_jobs is {limit}", retry_after_s=30.0)
+        job_id = uuid.uuid4().hex[:12]
+        spec = self._compile(tenant_id, job_id, spec)
+        workdir = self.data_dir / "tenants" / tenant_id / "jobs" / job_id
+        rec = self.store.create_job(tenant_id, spec.name, spec.kind, spec.to_dict(), str(workdir), job_id=job_id)
+        try:
+            self._start_job(rec.id, tenant_id, spec, workdir)
+        except Exception as e:  # a refused job is not left "queued" against the tenant's quota
+            self.store.set_job_state(rec.id, "failed", error=f"{type(e).__name__}: {e}")
+            raise
+        return self.job_view(tenant_id, rec.id)
+
+    def _compile(self, tenant_id: str, job_id: str, raw: dict) -> object:
+        """The tenant's spec, made safe to run: its slot key, and only paths inside the service."""
+        raw = dict(raw)
+        raw.setdefault("name", f"job-{job_id}")
+        raw.setdefault("backbone", self.config.backbone)
+        raw["tenant"] = slot_key(tenant_id, job_id)
+        if raw.get("init_from") is not None:
+            raise JobSpecError("init_from: not available over the API; start from a policy's checkpoint with "
+                               "the training client's load_state")
+        sft = raw.get("sft")
+        if isinstance(sft, dict) and "dataset" in sft:
+            sft = dict(sft)
+            sft["dataset"] = str(self.dataset_path(sft["dataset"], "sft.dataset"))
+            raw["sft"] = sft
+        return load_spec(raw)
+
+    def dataset_path(self, name, field_name: str) -> Path:
+        root = (self.data_dir / "datasets").resolve()
+        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
+            raise JobSpecError(f"{field_name}: the name of a dataset of this service (GET /v1/datasets), got {name!r}")
+        path = root / name
+        if not (path / "meta" / "info.json").exists():
+            raise JobSpecError(f"{field_name}: no dataset {name!r} on this service (GET /v1/datasets)")
+        return path
+
+    def datasets(self) -> list[dict]:
+        root = self.data_dir / "datasets"
+        return [{"name": p.name} for p in sorted(root.iterdir()) if (p / "meta" / "info.json").exists()]
+
+    def _start_job(self, job_id: str, tenant_id: str, spec, workdir: Path) -> None:
+        def on_event(job, kind: str, detail: dict) -> None:
+            if kind == "state":
+                if detail["state"] == "queued":  # the store logged it when the job was created
+                    return
+                result = detail.get("result") if detail["state"] == "succeeded" else None
+                self.store.set_job_state(job_id, detail["state"], error=detail.get("error"),
+                                         result=_finite(_jsonable(result)) if result is not None else None)
+            elif kind == "checkpoint":
+                self.store.set_job_progress(job_id, _finite(_jsonable(job.progress)))
+                path = Path(detail["path"])
+                self.store.add_checkpoint(tenant_id, job_id, int(detail["policy_version"]), str(path),
+                                          path.stat().st_size, _sha256(path), job_id=job_id)
+
+        self.master.submit(spec, job_id=job_id, job_dir=workdir, on_event=on_event)
+
+    def _resume_jobs(self) -> None:
+        for rec in self.store.unfinished_jobs():
+            if rec.kind == "slot":
+                continue
+            try:
+                spec = load_spec(rec.spec)
+                log.info("resuming job %s (%s) of tenant %s", rec.id, rec.name, rec.tenant_id)
+                self.store.set_job_state(rec.id, "queued", detail="resumed after a restart")
+                self._start_job(rec.id, rec.tenant_id, spec, Path(rec.workdir))
+            except Exception as e:  # noqa: BLE001 - one bad record must not keep the service down
+                log.exception("cannot resume job %s", rec.id)
+                self.store.set_job_state(rec.id, "failed", error=f"resume failed: {type(e).__name__}: {e}")
+
+    def _job(self, tenant_id: str, job_id: str):
+        rec = self.store.get_job(job_id, tenant_id)
+        if rec is None or rec.kind == "slot":
+            raise NotFound(f"no job {job_id!r}")
+        return rec
+
+    def job_view(self, tenant_id: str, job_id: str) -> dict:
+        rec = self._job(tenant_id, job_id)
+        live = self.master.jobs.get(job_id)
+        return {"id": rec.id, "name": rec.name, "kind": rec.kind, "state": rec.state,
+                "created_at": rec.created_at, "updated_at": rec.updated_at,
+                "progress": (live.progress if live is not None else rec.progress) or {},
+                "result": _public_result(rec.result, tenant_id), "error": rec.error,
+                "events": [{"at": e.at, "state": e.state, "detail": e.detail} for e in self.store.job_events(rec.id)]}
+
+    def list_jobs(self, tenant_id: str, state: str | None = None) -> list[dict]:
+        recs = self.store.list_jobs(tenant_id, (state,) if state else None)
+        live = self.master.jobs
+        return [{"id": r.id, "name": r.name, "kind": r.kind, "state": r.state, "created_at": r.created_at,
+                 "updated_at": r.updated_at,
+                 "progress": (live[r.id].progress if r.id in live else r.progress) or {}}
+                for r in recs if r.kind != "slot"]
+
+    def cancel_job(self, tenant_id: str, job_id: str) -> dict:
+        rec = self._job(tenant_id, job_id)
+        if rec.state not in ("queued", "running"):
+            raise Conflict(f"job {job_id!r} is already {rec.state}")
+        live = self.master.jobs.get(job_id)
+        if live is not None:
+            self.master.cancel(live)
+            live.thread.join(30)
+        else:
+            self.store.set_job_state(job_id, "cancelled")
+        return self.job_view(tenant_id, job_id)
+
+    def job_metrics(self, tenant_id: str, job_id: str, since: int = 0) -> tuple[list[dict], int]:
+        import csv
+
+        rec = self._job(tenant_id, job_id)
+        path = Path(rec.workdir) / "metrics.csv"
+        if not path.exists():
+            return [], since
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+        out = [{k: _num(v) for k, v in r.items()} for r in rows[since:]]
+        return out, since + len(out)
+
+    def job_logs(self, tenant_id: str, job_id: str, since: int = 0) -> tuple[list[str], int]:
+        """State transitions and one line per metrics row, in time order, so that paging with
+        `since` only ever finds new lines at the end: what `vlamux logs -f` prints."""
+        rec = self._job(tenant_id, job_id)
+        entries = [(e.at, f"{time.strftime('%H:%M:%S', time.localtime(e.at))} state {e.state}"
+                    + (f" ({e.detail})" if e.detail else "")) for e in self.store.job_events(rec.id)]
+        rows, _ = self.job_metrics(tenant_id, job_id)
+        for r in rows:
+            parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
+                     if v not in ("", None) and k not in ("time_s", "at")]
+            entries.append((r.get("at") or 0.0, " ".join(parts)))
+        lines = [text for _, text in sorted(entries, key=lambda e: e[0])]
+        if rec.error and rec.state == "failed":
+            lines.append(f"error: {rec.error}")
+        return lines[since:], len(lines)
+
+    def job_checkpoints(self, tenant_id: str, job_id: str) -> list[dict]:
+        self._job(tenant_id, job_id)
+        return [_checkpoint_view(c) for c in self.store.list_checkpoints(tenant_id, job_id=job_id)]
+
+    # ---- policies and low-level training --------------------------------------------------------
+    def _policy(self, tenant_id: str, policy_id: str):
+        rec = self.store.get_job(policy_id, tenant_id)
+        if rec is None:
+            raise NotFound(f"no policy {policy_id!r}")
+        return rec
+
+    def policy_view(self, tenant_id: str, policy_id: str) -> dict:
+        rec = self._policy(tenant_id, policy_id)
+        key = slot_key(tenant_id, policy_id)
+        version = self.runtime.training.version(key) if key in self.runtime.training.tenants() else None
+        head = rec.spec.get("head") if isinstance(rec.spec, dict) else None
+        return {"id": rec.id, "source": "training_slot" if rec.kind == "slot" else "job", "name": rec.name,
+                "head": head, "policy_version": version, "created_at": rec.created_at}
+
+    def list_policies(self, tenant_id: str) -> list[dict]:
+        return [self.policy_view(tenant_id, r.id) for r in self.store.list_jobs(tenant_id)
+                if not (r.kind == "slot" and r.state == "failed")]
+
+    def policy_versions(self, tenant_id: str, policy_id: str) -> dict:
+        view = self.policy_view(tenant_id, policy_id)
+        cps = self.store.list_checkpoints(tenant_id, policy_id=policy_id)
+        return {"live": view["policy_version"], "checkpoints": [_checkpoint_view(c) for c in cps]}
+
+    def create_training_slot(self, tenant_id: str, body: dict) -> dict:
+        from vlamux.jobs.spec import build  # the spec loader's field-path checking
+        from vlamux.model import HeadSpec, OptimizerSpec
+
+        if not isinstance(body, dict):
+            raise InvalidInputError("body: expected a JSON object")
+        unknown = set(body) - {"head", "optimizer", "seed", "name"}
+        if unknown:
+            raise InvalidInputError(f"{sorted(unknown)[0]}: unknown field; allowed: head, optimizer, seed, name")
+        if "head" not in body:
+            raise InvalidInputError("head: required")
+        head = build(HeadSpec, body["head"], "head")
+        optim = build(OptimizerSpec, body.get("optimizer") or {}, "optimizer")
+        seed = body.get("seed", 0)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise InvalidInputError(f"seed: expected an integer, got {seed!r}")
+        policy_id = uuid.uuid4().hex[:12]
+        workdir = self.data_dir / "tenants" / tenant_id / "slots" / policy_id
+        spec = {"head": _asdict(head), "optimizer": _asdict(optim), "seed": seed}
+        rec = self.store.create_job(tenant_id, body.get("name") or f"slot-{policy_id}", "slot", spec, str(workdir),
+                                    job_id=policy_id)
+        try:
+            self.runtime.create_slot(slot_key(tenant_id, policy_id), head, optim, seed).result(60)
+        except Exception as e:
+            self.store.set_job_state(rec.id, "failed", error=f"{type(e).__name__}: {e}")
+            raise
+        self.store.set_job_state(rec.id, "running")
+        publisher = getattr(self.runtime, "publisher", None)
+        if publisher is not None:  # the replicas serve the new policy before its id is handed out
+            publisher.flush(30)
+        return self.policy_view(tenant_id, rec.id)
+
+    def _restore_slots(self) -> None:
+        """Training slots come back at their last saved state (what `save_state` promised)."""
+        from vlamux.jobs.spec import build
+        from vlamux.model import HeadSpec, OptimizerSpec
+
+        for rec in self.store.unfinished_jobs():
+            if rec.kind != "slot":
+                continue
+            key = slot_key(rec.tenant_id, rec.id)
+            try:
+                head = build(HeadSpec, rec.spec["head"], "head")
+                optim = build(OptimizerSpec, rec.spec["optimizer"], "optimizer")
+                self.runtime.create_slot(key, head, optim, rec.spec.get("seed", 0)).result(60)
+                cps = self.store.list_checkpoints(rec.tenant_id, policy_id=rec.id)
+                if cps:
+                    self.runtime.load_state(key, cps[0].path).result(60)
+            except Exception:  # noqa: BLE001
+                log.exception("cannot restore training slot %s", rec.id)
+
+    def _slot(self, tenant_id: str, policy_id: str) -> str:
+        rec = self._policy(tenant_id, policy_id)
+        if rec.kind != "slot":
+            raise NotFound(f"no training slot {policy_id!r} (a job's policy is trained by its job)")
+        return slot_key(tenant_id, policy_id)
+
+    def forward_backward(self, tenant_id: str, policy_id: str, obs, actions, action_mask) -> dict:
+        key = self._slot(tenant_id, policy_id)
+        return self._track(tenant_id, "forward_backward",
+                           self.runtime.forward_backward(key, obs, actions, action_mask))
+
+    def optim_step(self, tenant_id: str, policy_id: str, lr: float | None = None) -> dict:
+        key = self._slot(tenant_id, policy_id)
+        if lr is not None:
+            self.runtime.set_lr(key, lr)  # queued ahead of the step, in order
+        return self._track(tenant_id, "optim_step", self.runtime.optim_step(key))
+
+    def save_state(self, tenant_id: str, policy_id: str) -> dict:
+        key = self._slot(tenant_id, policy_id)
+        rec = self._policy(tenant_id, policy_id)
+        path = Path(rec.workdir) / f"{uuid.uuid4().hex[:12]}.safetensors"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        out: Future = Future()
+
+        def saved(f: Future) -> None:
+            if f.exception() is not None:
+                out.set_exception(f.exception())
+                return
+            # Calls of a slot run in order, so at completion the slot still holds the saved version.
+            version = self.runtime.training.version(key)
+            cp = self.store.add_checkpoint(tenant_id, policy_id, version, str(path), path.stat().st_size,
+                                           _sha256(path))
+            out.set_result({"checkpoint": _checkpoint_view(cp)})
+
+        self.runtime.save_state(key, path).add_done_callback(saved)
+        return self._track(tenant_id, "save_state", out)
+
+    def load_state(self, tenant_id: str, policy_id: str, checkpoint_id) -> dict:
+        key = self._slot(tenant_id, policy_id)
+        cp = self.store.get_checkpoint(checkpoint_id, tenant_id) if isinstance(checkpoint_id, str) else None
+        if cp is None or cp.policy_id != policy_id:
+            raise NotFound(f"no checkpoint {checkpoint_id!r} of policy {policy_id!r}")
+        return self._track(tenant_id, "load_state", self.runtime.load_state(key, cp.path))
+
+    def predict(self, tenant_id: str, policy_id: str, obs, deterministic: bool) -> Future:
+        self._policy(tenant_id, policy_id)
+        return self.runtime.predict(slot_key(tenant_id, policy_id), obs, deterministic)
+
+    # ---- futures --------------------------------------------------------------------------------
+    def _track(self, tenant_id: str, op: str, fut: Future) -> dict:
+        f = _Future(uuid.uuid4().hex[:16], tenant_id, op, fut)
+        fut.add_done_callback(lambda _: setattr(f, "done_at", time.time()))
+        with self._lock:
+            self._gc_futures()
+            self._futures[f.id] = f
+        return _future_view(f)
+
+    def future_view(self, tenant_id: str, future_id: str, wait_s: float = 0.0) -> dict:
+        with self._lock:
+            f = self._futures.get(future_id)
+        if f is None or f.tenant_id != tenant_id:
+            raise NotFound(f"no future {future_id!r}")
+        if wait_s > 0:
+            try:
+                f.future.exception(timeout=min(wait_s, 30.0))
+            except TimeoutError:
+                pass
+        return _future_view(f)
+
+    def _gc_futures(self) -> None:
+        now = time.time()
+        for fid in [k for k, f in self._futures.items() if f.done_at and now - f.done_at > FUTURE_TTL_S]:
+            del self._futures[fid]
+
+    # ---- environment sessions -------------------------------------------------------------------
+    def open_session(self, tenant_id: str, env: dict, n_envs: int, seed: int | None = None) -> dict:
+        env_svc = self.runtime.environment
+        limit = int(self.quotas(tenant_id)["max_env_sessions"])
+        if len(env_svc.list_sessions(tenant_id)) >= limit:
+            raise QuotaExceeded(f"quota: max_env_sessions is {limit}; close a session first", retry_after_s=5.0)
+        sid = env_svc.open_session(tenant_id, env, n_envs, seed=seed, n_workers=self.config.env_workers)
+        return env_svc.session_info(tenant_id, sid)
+
+
+def _public_result(result: dict | None, tenant_id: str) -> dict | None:
+    """A job's result as its tenant sees it: the service's slot key is the tenant's own id."""
+    if not isinstance(result, dict):
+        return result
+    return {k: (tenant_id if k == "tenant" else v) for k, v in result.items()}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _num(v: str):
+    if v == "":
+        return None
+    try:
+        x = float(v)
+    except ValueError:
+        return v
+    return int(x) if x.is_integer() and "." not in v and "e" not in v.lower() else x
+
+
+def _asdict(obj) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(obj)
+
+
+def _checkpoint_view(c) -> dict:
+    return {"id": c.id, "policy_id": c.policy_id, "policy_version": c.policy_version, "bytes": c.bytes,
+            "sha256": c.sha256, "created_at": c.created_at, "job_id": c.job_id}
+
+
+def _future_view(f: _Future) -> dict:
+    view = {"id": f.id, "op": f.op, "state": "pending", "result": None, "error": None}
+    if f.future.done():
+        e = f.future.exception()
+        if e is None:
+            view["state"], view["result"] = "done", _jsonable(f.future.result())
+        else:
+            view["state"], view["error"] = "failed", {"type": type(e).__name__, "message": str(e)}
+    return view
+
+
+def _finite(x):
+    """JSON the store accepts: NaN and infinities (a diverged loss) become None."""
+    if isinstance(x, float):
+        return x if x == x and abs(x) != float("inf") else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, (str, int, float, bool)) or x is None:
+        return x
+    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
+        return x.item()
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    if hasattr(x, "__dataclass_fields__"):
+        return _jsonable(_asdict(x))
+    return str(x)

@@ -1,0 +1,106 @@
+"""Usage metering and request-rate limits.
+
+The services count per slot (``<tenant>/<policy>``) what each tenant used: a group's backbone time
+split by its rows, the tenant's own head time, requests, and env steps. The `Meter` turns the growth
+of those counters into usage records in the store every few seconds, per tenant: the basis for
+charging tenants for what they used rather than for machine-hours.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+
+log = logging.getLogger(__name__)
+
+KINDS = ("backbone_s", "head_s", "requests", "env_steps")
+
+
+def service_counters(runtime) -> dict[str, dict[str, float]]:
+    """Cumulative counters per service-level tenant key, summed over the services."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    accountings = [runtime.training.accounting] + [r.accounting for r in getattr(runtime, "replicas", {}).values()]
+    for acc in accountings:
+        for key, amounts in acc.snapshot()["tenants"].items():
+            for kind in ("backbone_s", "head_s", "requests"):
+                out[key][kind] += amounts.get(kind, 0.0)
+    env = runtime.environment
+    for key in env.tenants() if hasattr(env, "tenants") else []:
+        out[key]["env_steps"] += env.usage(key).get("env_steps", 0)
+    return out
+
+
+class Meter:
+    """Every `every_s`, records each tenant's usage since the last tick in the store."""
+
+    def __init__(self, host, every_s: float = 2.0):
+        self.host, self.every_s = host, every_s
+        self._last: dict[str, dict[str, float]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="vlamux-meter", daemon=True)
+
+    def start(self) -> Meter:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        try:
+            self.tick()  # what accrued since the last tick is not lost
+        except Exception:  # noqa: BLE001 - stopping must go on
+            log.exception("final metering tick failed")
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - metering must not take the service down
+                log.exception("metering tick failed")
+
+    def tick(self) -> int:
+        counters = service_counters(self.host.runtime)
+        store = self.host.store
+        rows, seen = [], {}
+        for key, amounts in counters.items():
+            tenant, _, policy = key.partition("/")
+            if store.get_tenant(tenant) is None:  # not a tenant of the API (e.g. a bench's own slot)
+                continue
+            # A usage row names its job only when that job is on record: a slot whose creation
+            # failed may still have been charged for the attempt.
+            job = policy if policy and store.get_job(policy, tenant) is not None else None
+            last = self._last.get(key, {})
+            for kind, total in amounts.items():
+                delta = total - last.get(kind, 0.0)
+                if delta < 0:  # a restarted service starts its counters again from zero
+                    delta = total
+                if delta > 0:
+                    rows.append((tenant, kind, delta, job))
+            seen[key] = dict(amounts)
+        if rows:
+            store.record_usage_many(rows)
+        self._last.update(seen)  # only once written: a failed write is retried at the next tick
+        return len(rows)
+
+
+class RateLimiter:
+    """A token bucket per tenant: `rate` requests per second, bursts of up to 2 s worth."""
+
+    def __init__(self):
+        self._buckets: dict[str, tuple[float, float]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, tenant: str, rate: float) -> float:
+        """0 if admitted, else the seconds until a request would be."""
+        now = time.monotonic()
+        burst = max(1.0, 2.0 * rate)
+        with self._lock:
+            tokens, at = self._buckets.get(tenant, (burst, now))
+            tokens = min(burst, tokens + (now - at) * rate)
+            if tokens >= 1.0:
+                self._buckets[tenant] = (tokens - 1.0, now)
+                return 0.0
+            self._buckets[tenant] = (tokens, now)
+            return (1.0 - tokens) / rate if rate > 0 else 60.0

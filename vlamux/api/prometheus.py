@@ -1,0 +1,69 @@
+"""`/metrics` in Prometheus's text format, read from the services at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class _Collector:
+    def __init__(self, host):
+        self.host = host
+
+    def collect(self):
+        rt, store = self.host.runtime, self.host.store
+        m = rt.metrics()
+        depth = GaugeMetricFamily("vlamux_queue_depth", "Requests waiting in a queue", labels=["queue", "service"])
+        wait = GaugeMetricFamily("vlamux_queue_wait_seconds", "Queue wait, by quantile",
+                                 labels=["queue", "service", "quantile"])
+        rows = GaugeMetricFamily("vlamux_group_rows_mean", "Mean rows per group (one backbone forward)",
+                                 labels=["queue", "service"])
+        reqs = GaugeMetricFamily("vlamux_group_requests_mean", "Mean requests per group", labels=["queue", "service"])
+        util = GaugeMetricFamily("vlamux_service_utilization", "Busy time over wall time since the service started",
+                                 labels=["service"])
+        busy = CounterMetricFamily("vlamux_service_busy_seconds", "Busy time (rate() of it is live utilisation)",
+                                   labels=["service"])
+        groups = CounterMetricFamily("vlamux_groups", "Groups executed", labels=["queue", "service"])
+        queues = [("training", "training", m["training"])] + [("inference", n, v) for n, v in m["inference"].items()]
+        for queue, name, svc in queues:
+            q = svc["queue"]
+            depth.add_metric([queue, name], q.get("depth", q.get("depth_requests", 0)))
+            wait.add_metric([queue, name, "0.5"], q["wait_p50_s"])
+            wait.add_metric([queue, name, "0.99"], q["wait_p99_s"])
+            rows.add_metric([queue, name], q["group_rows_mean"])
+            reqs.add_metric([queue, name], q["group_requests_mean"])
+            groups.add_metric([queue, name], q["groups"])
+            util.add_metric([name], svc["utilization"])
+            busy.add_metric([name], svc.get("busy_s", 0.0))
+        env = m["environment"]
+        util.add_metric(["environment"], env["utilization"])
+        busy.add_metric(["environment"], env["busy_s"])
+        yield from (depth, wait, rows, reqs, util, busy, groups)
+        sessions = GaugeMetricFamily("vlamux_env_sessions", "Open simulator sessions")
+        sessions.add_metric([], env["open_sessions"])
+        yield sessions
+        restarts = CounterMetricFamily("vlamux_role_restarts", "Restarts by the Health Manager", labels=["role"])
+        for role, n in m["health"].items():
+            restarts.add_metric([role], n)
+        yield restarts
+        usage = CounterMetricFamily("vlamux_tenant_usage", "Per-tenant usage since the store began",
+                                    labels=["tenant", "kind"])
+        names = {t.id: t.name for t in store.list_tenants()}
+        for tid, kinds in store.usage_totals().items():
+            for kind, v in kinds.items():
+                usage.add_metric([names.get(tid, tid), kind], v)
+        yield usage
+        jobs = GaugeMetricFamily("vlamux_jobs", "Jobs by state", labels=["state"])
+        counts: dict[str, int] = {}
+        for rec in store.list_jobs():
+            if rec.kind != "slot":
+                counts[rec.state] = counts.get(rec.state, 0) + 1
+        for state in ("queued", "running", "succeeded", "failed", "cancelled"):
+            jobs.add_metric([state], counts.get(state, 0))
+        yield jobs
+
+
+def render(host) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(host))
+    return generate_latest(registry)

@@ -1,0 +1,71 @@
+"""`vlamux serve`: the services and the HTTP API in one process, until SIGINT/SIGTERM.
+
+A stop, clean or not, loses nothing: jobs are in the store and checkpoint as they go, so the next
+start resumes every job that was running from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from vlamux.api.host import ServiceConfig, ServiceHost
+
+log = logging.getLogger(__name__)
+
+
+def serve(host_addr: str = "127.0.0.1", port: int = 8321, config: ServiceConfig | None = None,
+          admin_key: str | None = None, log_level: str = "info") -> None:
+    import uvicorn
+
+    from vlamux.api.app import create_app
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config or ServiceConfig()
+    host = ServiceHost(config)
+    new_admin = host.start(admin_key)
+    if new_admin:
+        key_file = Path(config.data_dir) / "admin.key"
+        key_file.write_text(new_admin + "\n")
+        key_file.chmod(0o600)
+        print(f"admin API key (shown once; also written to {key_file}, mode 600):\n  {new_admin}", flush=True)
+    runtime = "ray at " + config.ray_address if config.ray_address else "embedded"
+    print(f"vlamux serving on http://{host_addr}:{port} ({runtime} runtime, backbone {config.backbone}, "
+          f"data in {config.data_dir}); dashboard: /dashboard, API docs: /docs", flush=True)
+    try:
+        uvicorn.run(create_app(host), host=host_addr, port=port, log_level=log_level.lower(),
+                    timeout_graceful_shutdown=10)
+    finally:
+        host.stop()
+
+
+def spawn(data_dir: str | Path, port: int, log=None, extra_args=(), timeout_s: float = 180.0, env=None):
+    """`vlamux serve` as a child process, returned once it answers: for tests and benchmarks that
+    need the server in a process of its own (to kill it, or to load it from outside)."""
+    import subprocess
+    import sys
+
+    from vlamux.sdk.http import wait_ready
+
+    proc = subprocess.Popen([sys.executable, "-m", "vlamux.cli", "serve", "--port", str(port), "--data-dir",
+                             str(data_dir), *extra_args], stdout=log or subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}", timeout_s=timeout_s, proc=proc)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc
+
+
+def stop(proc, timeout_s: float = 60.0) -> None:
+    """SIGTERM (a clean shutdown), then SIGKILL if it has not exited within `timeout_s`."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)

@@ -1,0 +1,37 @@
+"""`PolicyClient`: actions from one of the tenant's policies (a job's, or a training slot's)."""
+
+from __future__ import annotations
+
+from vlamux.sdk import _arrays
+from vlamux.sdk.http import HTTP
+
+
+class PolicyClient:
+    """A handle on policy `id`; making one costs no call.
+
+    >>> out = client.policy(job.id).predict(obs)      # obs: the wire observation layout
+    >>> out["actions"].shape, out["policy_version"]   # float32 [B, H, A], int
+    """
+
+    def __init__(self, http: HTTP, policy_id: str):
+        self._http, self.id = http, policy_id
+
+    def __repr__(self) -> str:
+        return f"PolicyClient({self.id!r})"
+
+    def info(self) -> dict:
+        """``{"id", "source", "name", "head", "policy_version", "created_at"}``."""
+        return self._http.get(f"/v1/policies/{self.id}")["policy"]
+
+    def versions(self) -> dict:
+        """``{"live": N or None, "checkpoints": [...]}``."""
+        return self._http.get(f"/v1/policies/{self.id}/versions")
+
+    def predict(self, observation: dict, deterministic: bool = False, timeout_s: float | None = None) -> dict:
+        """An action chunk per observation row: ``{"actions": float32 [B, H, A], "policy_version": int}``.
+
+        `observation` is ``{"images": {camera: uint8 [B, 3, H, W]}, "state": float32 [B, S],
+        "instructions": [str] * B}`` (what `EnvSession.reset`/`step` return can be passed as is).
+        """
+        body = {"observation": _arrays.observation(observation), "deterministic": bool(deterministic)}
+        return self._http.post(f"/v1/policies/{self.id}/predict", packed=body, timeout_s=timeout_s)
