@@ -201,3 +201,17 @@ def test_tokenizer_batch_pads_and_masks():
     assert (ids[~mask] == PAD).all()
     assert ids[0, :4].tolist() == tok.encode("ab") and ids[1, :8].tolist() == tok.encode("abcdef")
     assert ids[2, -1] == EOS
+
+
+def test_the_shipped_pretrained_backbone_loads_by_name():
+    from vlamux.model import BackboneSpec, build_backbone
+    from vlamux.model.backbones import PRESETS, SHIPPED
+
+    assert SHIPPED["tiny-tabletop"].is_file(), "the pretrained weights ship with the package"
+    shipped = build_backbone(BackboneSpec(preset="tiny", weights="tiny-tabletop"))
+    random = build_backbone(BackboneSpec(preset="tiny"))
+    assert shipped.config == PRESETS["tiny"]
+    # trained, not the seeded initialisation
+    a, b = dict(shipped.named_parameters()), dict(random.named_parameters())
+    assert set(a) == set(b) and any((a[k] - b[k]).abs().max() > 1e-3 for k in a)
+    assert all(not p.requires_grad for p in shipped.parameters())  # frozen, like every backbone

@@ -207,8 +207,11 @@ def test_env_session_and_predict(client):
         out = policy.predict(obs, deterministic=True)
         assert out["actions"].shape == (1, 4, 4) and out["actions"].dtype == np.float32
         assert out["policy_version"] == 0
-        again = policy.predict(obs, deterministic=True)["actions"]
+        again = policy.predict(obs, deterministic=True, policy_version=0)["actions"]
         np.testing.assert_allclose(again, out["actions"], atol=1e-5)
+        with pytest.raises(ConflictError) as e:  # a pinned version that is not the one served
+            policy.predict(obs, policy_version=5)
+        assert e.value.field == "policy_version"
         res = env.step(out["actions"][:, 0])
         assert set(res) == {"observation", "reward", "terminated", "truncated", "success"}
         assert res["reward"].shape == (1,) and res["observation"]["images"]["agentview"].shape == (1, 3, 32, 32)

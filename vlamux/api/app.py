@@ -241,9 +241,17 @@ def create_app(host: ServiceHost) -> FastAPI:
         deterministic = body.get("deterministic", False)
         if not isinstance(deterministic, bool):
             raise invalid("deterministic", f"expected true or false, got {deterministic!r}")
+        pinned = body.get("policy_version")
+        if pinned is not None and (not isinstance(pinned, int) or isinstance(pinned, bool) or pinned < 0):
+            raise invalid("policy_version", f"expected a non-negative integer, got {pinned!r}")
         fits_head(host.policy_view(t, policy_id)["head"], obs)
         out = host.predict(t, policy_id, obs, deterministic).result(60)
-        return packed({"actions": out["actions"], "policy_version": int(out["policy_version"])})
+        served = int(out["policy_version"])
+        if pinned is not None and served != pinned:  # the replicas serve one version per policy: the live one
+            raise ApiError(409, "conflict", f"policy_version: asked for version {pinned}, the replicas serve "
+                           f"{served}; an older version is served after load_state of its checkpoint",
+                           "policy_version")
+        return packed({"actions": out["actions"], "policy_version": served})
 
     @app.post("/v1/training/slots", status_code=201)
     def create_slot(body: SlotIn, t: str = Depends(tenant)):

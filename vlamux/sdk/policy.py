@@ -27,11 +27,15 @@ class PolicyClient:
         """``{"live": N or None, "checkpoints": [...]}``."""
         return self._http.get(f"/v1/policies/{self.id}/versions")
 
-    def predict(self, observation: dict, deterministic: bool = False, timeout_s: float | None = None) -> dict:
+    def predict(self, observation: dict, deterministic: bool = False, timeout_s: float | None = None,
+                policy_version: int | None = None) -> dict:
         """An action chunk per observation row: ``{"actions": float32 [B, H, A], "policy_version": int}``.
 
         `observation` is ``{"images": {camera: uint8 [B, 3, H, W]}, "state": float32 [B, S],
         "instructions": [str] * B}`` (what `EnvSession.reset`/`step` return can be passed as is).
+        `policy_version`: refuse (`ConflictError`) unless the served version is this one.
         """
         body = {"observation": _arrays.observation(observation), "deterministic": bool(deterministic)}
+        if policy_version is not None:
+            body["policy_version"] = int(policy_version)
         return self._http.post(f"/v1/policies/{self.id}/predict", packed=body, timeout_s=timeout_s)

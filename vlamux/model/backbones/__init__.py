@@ -27,8 +27,12 @@ from vlamux.model.backbones.builtin import PRESETS, BuiltinBackbone, BuiltinConf
 from vlamux.utils.io import atomic_save_safetensors
 from vlamux.utils.seeding import seeded
 
-__all__ = ["Backbone", "BackboneSpec", "BuiltinBackbone", "BuiltinConfig", "PRESETS", "build_backbone",
+__all__ = ["Backbone", "BackboneSpec", "BuiltinBackbone", "BuiltinConfig", "PRESETS", "SHIPPED", "build_backbone",
            "save_backbone", "load_backbone"]
+
+# Weights that ship with the package, by name (`BackboneSpec(weights="tiny-tabletop")`): the tiny preset
+# pretrained on the built-in suite's demonstrations by `python -m vlamux.pretrain` (docs/RESULTS.md).
+SHIPPED = {"tiny-tabletop": Path(__file__).resolve().parents[2] / "assets" / "tiny-tabletop.safetensors"}
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class BackboneSpec:
 
 def _build_builtin(spec: BackboneSpec) -> Backbone:
     if spec.weights:
-        return load_backbone(spec.weights)
+        return load_backbone(SHIPPED.get(spec.weights, spec.weights))
     if spec.preset not in PRESETS:
         raise ValueError(f"unknown builtin preset {spec.preset!r}; choose one of {sorted(PRESETS)}")
     with seeded(spec.seed):  # never disturbs the caller's random streams
