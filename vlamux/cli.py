@@ -114,7 +114,7 @@ def main(ctx: click.Context, url: str, key: str | None, timeout: float, max_retr
               show_default=True, help="Store, datasets, checkpoints.")
 @click.option("--backbone", default="tiny", show_default=True, help="Backbone preset.")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
-              help="Place the services on this Ray cluster (e.g. 'auto' or 'ray://host:10001').")
+              help="Place the services on this Ray cluster ('auto', 'ray://host:10001'; 'local' starts one in-process).")
 @click.option("--store-url", default=None, help="SQLAlchemy URL of the store (default: sqlite in --data-dir).")
 @click.option("--admin-key", envvar="VLAMUX_ADMIN_KEY", default=None,
               help="Admin key to use (env VLAMUX_ADMIN_KEY); else one is made on the first start.")

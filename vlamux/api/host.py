@@ -52,7 +52,7 @@ class ServiceConfig:
     data_dir: Path = Path("data/service")
     store_url: str | None = None
     backbone: str = "tiny"
-    ray_address: str | None = None  # None: the embedded runtime
+    ray_address: str | None = None  # None: the embedded runtime; "local": a Ray instance of its own
     max_body_mb: float = 64.0
     meter_every_s: float = 2.0
     default_quotas: dict = field(default_factory=lambda: dict(DEFAULT_QUOTAS))
@@ -94,6 +94,7 @@ class ServiceHost:
         self.meter: Meter | None = None
         self.limiter = RateLimiter()
         self._futures: dict[str, _Future] = {}
+        self._own_ray = False
         self._lock = threading.Lock()
         self.started_at = time.time()
 
@@ -114,10 +115,17 @@ class ServiceHost:
 
         env = {"allowed_dataset_roots": [self.data_dir / "datasets"]}
         if self.config.ray_address:
-            # The workflows (SFT, RL, evaluation) and this host call the services through the embedded
-            # runtime's in-process surface; the Ray runtime's actors are not behind it yet.
-            raise NotImplementedError("serve --ray: the API host runs the services on the embedded runtime only "
-                                      "for now; the Ray runtime is available from Python (RayRuntime)")
+            import ray
+
+            from vlamux.services.ray_facade import RayServices
+            from vlamux.services.ray_runtime import RayRuntime, RayRuntimeConfig
+
+            if not ray.is_initialized():  # "local": a Ray instance of this process's own
+                self._own_ray = True
+                ray.init(address=None if self.config.ray_address == "local" else self.config.ray_address,
+                         include_dashboard=False, log_to_driver=False)
+            return RayServices(RayRuntime(RayRuntimeConfig(backbone=BackboneSpec(preset=self.config.backbone),
+                                                           environment=env)).start())
         from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
 
         return EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset=self.config.backbone),
@@ -135,6 +143,10 @@ class ServiceHost:
                     job.thread.join(30)
         if self.runtime is not None and self._runtime is None:
             self.runtime.stop()
+        if self._own_ray:
+            import ray
+
+            ray.shutdown()
 
     # ---- authentication and tenants -------------------------------------------------------------
     def authenticate(self, secret: str) -> Principal | None:

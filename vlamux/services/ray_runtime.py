@@ -56,6 +56,10 @@ class _Actor:
     def metrics(self) -> dict:
         return self.svc.metrics()
 
+    def accounting(self) -> dict:
+        """Busy time and per-tenant usage (what the API's metering reads)."""
+        return self.svc.accounting.snapshot()
+
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
@@ -127,6 +131,12 @@ class TrainingActor(_Actor):
 
     def version(self, tenant):
         return self.svc.version(tenant)
+
+    def set_lr(self, tenant, lr):
+        return self.svc.set_lr(tenant, lr).result(CALL_TIMEOUT_S)
+
+    def tenants(self) -> list:
+        return self.svc.tenants()
 
     def export_policy(self, tenant) -> PolicySnapshot:
         return self.svc.runner.slot(tenant).export_policy()
@@ -320,8 +330,29 @@ class RayRuntime:
         fut.add_done_callback(lambda f: f.exception() is None and self._checkpoints.__setitem__(tenant, str(path)))
         return fut
 
+    def load_state(self, tenant: str, path: str | Path) -> Future:
+        fut = self._remember_after(tenant, self.training.load_state.remote(tenant, str(path)))
+        fut.add_done_callback(lambda f: f.exception() is None and self._checkpoints.__setitem__(tenant, str(path)))
+        return fut
+
+    def set_lr(self, tenant: str, lr: float) -> Future:
+        return self.training.set_lr.remote(tenant, lr).future()
+
     def version(self, tenant: str) -> int:
         return ray.get(self.training.version.remote(tenant), timeout=CALL_TIMEOUT_S)
+
+    def metrics(self) -> dict:
+        """The embedded runtime's `metrics()` layout, gathered from the actors."""
+        with self._lock:
+            replicas = dict(self.replicas)
+        refs = {n: h.metrics.remote() for n, h in replicas.items()}
+        envs = {n: ray.get(r, timeout=CALL_TIMEOUT_S) for n, r in self.env_all("metrics").items()}
+        env = next(iter(envs.values())) if len(envs) == 1 else _sum_numbers(list(envs.values()))
+        return {"training": ray.get(self.training.metrics.remote(), timeout=CALL_TIMEOUT_S),
+                "inference": {n: ray.get(r, timeout=CALL_TIMEOUT_S) for n, r in refs.items()},
+                "environment": env,
+                "health": {n: r.restarts for n, r in self.health.roles.items()},
+                "control_plane": {}}
 
     def _remember_after(self, tenant: str, ref) -> Future:
         """After a version-changing call, keep the tenant's newest policy on the driver (restarts need it)."""
@@ -546,3 +577,16 @@ class RayRuntime:
         """Call a method on every environment replica: {replica name: ObjectRef}."""
         with self._lock:
             return {n: h.call.remote(method, *args, **kwargs) for n, h in self.environments.items()}
+
+
+def _sum_numbers(dicts: list[dict]) -> dict:
+    """Several environment replicas' metrics as one: numbers add up (utilisation averages)."""
+    out: dict = {}
+    for d in dicts:
+        for k, v in d.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                out[k] = out.get(k, 0) + v
+    for k in ("utilization", "concurrency"):
+        if k in out:
+            out[k] /= len(dicts)
+    return out
