@@ -41,10 +41,27 @@ from vlamux.workflows.sft import SFTConfig, SFTRun  # noqa: E402
 
 
 def lane_counters(rt: EmbeddedRuntime) -> dict:
+    """Busy seconds so far per lane (on Ray the publisher's busy time stays inside the Training actor)."""
     return {"sampling": rt.environment.utilization()["busy_s"],
-            "inference": sum(s.accounting.busy_s for s in rt.replicas.values()),
-            "training": rt.training.accounting.busy_s,
-            "distribution": rt.publisher.busy_s}
+            "inference": sum(s.accounting.snapshot()["busy_s"] for s in rt.replicas.values()),
+            "training": rt.training.accounting.snapshot()["busy_s"],
+            "distribution": getattr(rt.publisher, "busy_s", 0.0)}
+
+
+def make_runtime(kind: str, preset: str, batch_rows: int, threads: int):
+    """The services in this process (embedded), or as Ray actors in processes of their own."""
+    queue = InferenceQueueConfig(batch_rows=batch_rows, max_wait_s=0.005)
+    if kind == "embedded":
+        return EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset=preset), inference_queue=queue)).start()
+    import ray
+
+    from vlamux.services.ray_facade import RayServices
+    from vlamux.services.ray_runtime import RayRuntime, RayRuntimeConfig
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray.init(include_dashboard=False, log_to_driver=False)
+    return RayServices(RayRuntime(RayRuntimeConfig(backbone=BackboneSpec(preset=preset), inference_queue=queue,
+                                                   torch_threads=threads)).start())
 
 
 def warm_start(rt: EmbeddedRuntime, head: HeadSpec, tenant: str, image: int, steps: int, demos: int,
@@ -145,6 +162,8 @@ def main(argv=None) -> int:
                     help="SFT steps on scripted demonstrations before RL, the same start for both modes "
                          "(RL then runs at lr 3e-5, 2 passes per segment, PPO critic warm-up)")
     ap.add_argument("--warm-demos", type=int, default=200)
+    ap.add_argument("--runtime", choices=("embedded", "ray"), default="embedded",
+                    help="ray: the services as Ray actors, each in a process of its own (no shared GIL)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -159,9 +178,7 @@ def main(argv=None) -> int:
                    max_staleness=2, minibatch_rows=32)
     if args.warm_start:  # the gentle settings that keep a cloned policy (docs/RESULTS.md, RL from SFT)
         cfg = RLConfig(**{**cfg.__dict__, "lr": 3e-5, "epochs": 2, "critic_warmup": 30, "max_staleness": 4})
-    rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset=args.preset),
-                                       inference_queue=InferenceQueueConfig(batch_rows=args.batch_rows or args.n_envs,
-                                                                            max_wait_s=0.005))).start()
+    rt = make_runtime(args.runtime, args.preset, args.batch_rows or args.n_envs, args.threads)
     tenants = [f"tenant{i}" for i in range(args.tenants)]
     print(f"async RL: preset={args.preset}, {args.tenants} tenants x {steps} env steps, {env.task} at {image}px, "
           f"{cfg.sub_batches} sub-batches x {cfg.n_envs} envs, threads={torch.get_num_threads()}", flush=True)
@@ -181,6 +198,10 @@ def main(argv=None) -> int:
                   + ", ".join(f"{k} {v:.1f}s" for k, v in r["lane_busy_s"].items()), flush=True)
     finally:
         rt.stop()
+        if args.runtime == "ray":
+            import ray
+
+            ray.shutdown()
     s, a = results["sync"], results["async"]
     overlap_limit = s["wall_s"] / max(s["lane_busy_s"].values())
     # lanes here share the same few cores: no schedule finishes the sync run's CPU work faster than
@@ -211,7 +232,8 @@ def main(argv=None) -> int:
                "config": {"preset": args.preset, "tenants": args.tenants, "env_steps_per_tenant": steps,
                           "image_size": image, "sub_batches": cfg.sub_batches, "n_envs": cfg.n_envs,
                           "segment_steps": cfg.segment_steps, "max_staleness": cfg.max_staleness,
-                          "warm_start_steps": args.warm_start, "lr": cfg.lr or cfg_lr, "epochs": cfg.epochs},
+                          "warm_start_steps": args.warm_start, "lr": cfg.lr or cfg_lr, "epochs": cfg.epochs,
+                          "runtime": args.runtime},
                "environment": environment("cpu")}
     path = write_json("async_rl_quick.json" if args.quick else "async_rl.json", payload, args.out)
     print(f"wrote {path}")

@@ -41,14 +41,16 @@ def _save(fig, name: str) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
-    print(f"wrote {out.relative_to(ROOT)}")
+    print(f"wrote {out}")
 
 
 def async_rl() -> None:
     r = _load(RESULTS / "async_rl.json")
     if r is None:
         return
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    warm = _load(RESULTS / "async_rl_warm.json")
+    fig, axes = plt.subplots(1, 3 if warm else 2, figsize=(15 if warm else 10, 3.8))
+    ax1, ax2 = axes[0], axes[1]
     modes = ["sync", "async"]
     ax1.bar(modes, [r["sync_steps_per_s"], r["async_steps_per_s"]], color=["#888", "#2a7"])
     sync = r["sync_steps_per_s"]
@@ -67,7 +69,18 @@ def async_rl() -> None:
     ax2.set_ylabel("success rate (episodes so far)")
     ax2.set_ylim(0, 1)
     ax2.legend()
-    ax2.set_title("sample efficiency")
+    ax2.set_title("sample efficiency, random start")
+    if warm:
+        ax3 = axes[2]
+        for mode, color in (("sync", "#888"), ("async", "#2a7")):
+            pts = warm["curves"].get(mode) or []
+            lo, hi = warm[mode]["success_ci95"]
+            ax3.plot([p[0] for p in pts], [p[1] for p in pts], color=color,
+                     label=f"{mode}: {warm[mode]['success_rate']:.0%} [{lo:.0%}, {hi:.0%}]")
+        ax3.set_xlabel("env steps")
+        ax3.set_ylim(0, 1)
+        ax3.legend(fontsize=8)
+        ax3.set_title(f"from one SFT start ({warm['config']['warm_start_steps']} steps); {warm['speedup']:.2f}x")
     _save(fig, "async_rl.png")
 
 
@@ -163,9 +176,13 @@ def record(workdir: Path) -> None:
 
 
 def main(argv=None) -> int:
+    global IMG
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--record", metavar="WORKDIR", help="first copy a main job run's results (e.g. runs/main)")
+    ap.add_argument("--img-dir", default=None, help="where the PNGs go (default docs/img)")
     args = ap.parse_args(argv)
+    if args.img_dir:
+        IMG = Path(args.img_dir).resolve()
     if args.record:
         record(Path(args.record))
     async_rl()
