@@ -6,6 +6,14 @@ path: a backbone forward every step, the Training and Inference Queues, the Envi
     # RL from that checkpoint: GRPO, lr 3e-5, 2 passes, 20k env steps, 100 evaluation episodes
     python scripts/experiments/sft_then_rl.py rl --init runs/exp/sft/checkpoint.safetensors \\
         --algorithm grpo --env-steps 20000 --epochs 2 --lr 3e-5
+
+    # The spatial suite on the pretrained backbone: SFT on its 4 tasks, evaluated on all 4; then RL
+    # on one task from that policy, evaluated on all 4 before and after
+    S="--weights tiny-tabletop --instruction-cond adaln --eval-tasks spatial"
+    python scripts/experiments/sft_then_rl.py sft $S --dataset data/sft_probe/spatial4-150-32 --steps 3000 \\
+        --workdir runs/spatial
+    python scripts/experiments/sft_then_rl.py rl $S --init runs/spatial/sft/checkpoint.safetensors \\
+        --task spatial/lift-left-cube --workdir runs/spatial
 """
 
 from __future__ import annotations
@@ -38,16 +46,27 @@ def main(argv=None) -> int:
     ap.add_argument("--episodes", type=int, default=100, help="evaluation episodes")
     ap.add_argument("--workdir", default="runs/exp")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--weights", default=None, help="backbone weights (e.g. tiny-tabletop, the shipped pretrained)")
+    ap.add_argument("--task", default="goal/touch-red-cube", help="the RL task")
+    ap.add_argument("--eval-tasks", default="", help="a suite name or comma-separated tasks (default: --task)")
+    ap.add_argument("--instruction-cond", default="add", choices=("none", "add", "adaln"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    env = {"task": "goal/touch-red-cube", "image_size": 32, "max_steps": 120, "n_action_steps": 4}
+    head = {**HEAD, "instruction_cond": args.instruction_cond}
+    env = {"task": args.task, "image_size": 32, "max_steps": 120, "n_action_steps": 4}
+    tasks = []
+    if args.eval_tasks:
+        from vlamux.envs.tabletop.tasks import SUITES
+
+        tasks = SUITES.get(args.eval_tasks) or args.eval_tasks.split(",")
     rl = {"env": env, "env_steps": args.env_steps, "n_envs": 8, "sub_batches": 2, "segment_steps": 8,
           "minibatch_rows": 64, "lr": args.lr, "max_staleness": 2 * args.epochs, "epochs": args.epochs,
           "algorithm": args.algorithm, "critic_warmup": args.critic_warmup}
     if args.algorithm == "grpo":
         rl.update({"group_size": 4, "segment_steps": 30})
-    spec = {"name": args.what, "tenant": "g", "kind": "rl", "head": HEAD, "optimizer": {"lr": 1e-3}, "rl": rl,
-            "eval": {"episodes": args.episodes, "n_envs": 10, "env": env, "before": args.what == "rl"},
+    spec = {"name": args.what, "tenant": "g", "kind": "rl", "head": head, "optimizer": {"lr": 1e-3}, "rl": rl,
+            "eval": {"episodes": args.episodes, "n_envs": 10, "env": env, "before": args.what == "rl",
+                     "tasks": tasks},
             "checkpoint_every": 1000}
     if args.what == "sft":
         spec["sft"] = {"dataset": args.dataset, "steps": args.steps, "batch_size": 64, "lr": 1e-3,
@@ -55,7 +74,8 @@ def main(argv=None) -> int:
         spec["rl"] = {**rl, "env_steps": 0}
     else:
         spec["init_from"] = args.init
-    rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset="tiny"), max_staleness=4 * args.epochs,
+    rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset="tiny", weights=args.weights),
+                                       max_staleness=4 * args.epochs,
                                        inference_queue=InferenceQueueConfig(batch_rows=32, max_wait_s=0.005))).start()
     try:
         job = MasterService(rt, args.workdir).submit(spec)
