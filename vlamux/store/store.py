@@ -155,6 +155,14 @@ def _check_str(value: Any, arg: str, allow_empty: bool = False) -> str:
     return value
 
 
+def _existing(session, table, row_id: str, what: str):
+    """The row, or KeyError("no <what> '<id>'") for a change aimed at a row that is not there."""
+    row = session.get(table, row_id)
+    if row is None:
+        raise KeyError(f"no {what} {row_id!r}")
+    return row
+
+
 class Store:
     """The service's database. Default: SQLite at `<data_dir>/vlamux.db`; any SQLAlchemy URL works."""
 
@@ -221,18 +229,14 @@ class Store:
 
     def set_disabled(self, tenant_id: str, disabled: bool) -> Tenant:
         with self._write() as s:
-            row = s.get(TenantRow, tenant_id)
-            if row is None:
-                raise KeyError(f"no tenant {tenant_id!r}")
+            row = _existing(s, TenantRow, tenant_id, "tenant")
             row.disabled = bool(disabled)
             return _tenant(row)
 
     def set_quotas(self, tenant_id: str, quotas: dict) -> Tenant:
         quotas = _check_json(quotas, "quotas")
         with self._write() as s:
-            row = s.get(TenantRow, tenant_id)
-            if row is None:
-                raise KeyError(f"no tenant {tenant_id!r}")
+            row = _existing(s, TenantRow, tenant_id, "tenant")
             row.quotas = quotas
             return _tenant(row)
 
@@ -356,9 +360,7 @@ class Store:
         if result is not None:
             result = _check_json(result, "result")
         with self._write() as s:
-            row = s.get(JobRow, job_id)
-            if row is None:
-                raise KeyError(f"no job {job_id!r}")
+            row = _existing(s, JobRow, job_id, "job")
             now = time.time()
             row.state, row.error, row.updated_at = state, error, now
             if result is not None:
@@ -369,9 +371,7 @@ class Store:
     def set_job_progress(self, job_id: str, progress: dict) -> None:
         progress = _check_json(progress, "progress")
         with self._write() as s:
-            row = s.get(JobRow, job_id)
-            if row is None:
-                raise KeyError(f"no job {job_id!r}")
+            row = _existing(s, JobRow, job_id, "job")
             row.progress, row.updated_at = progress, time.time()
 
     def get_job(self, job_id: str, tenant_id: str | None = None) -> JobRecord | None:
