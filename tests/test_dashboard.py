@@ -26,10 +26,11 @@ pytestmark = pytest.mark.skipif(
            "run scripts/setup-system.sh as root",
 )
 
-# 60 steps: a few seconds of steps even on a fast machine, so the page's 2-second polls see the curve grow.
-STEPS = 60
+# 400 steps: on a 2-core machine a few hundred steps take several seconds, so the page's 2-second
+# polls see the curve grow (60 steps finished between two polls on a quiet CI machine).
+STEPS = 400
 JOB = {"name": "t", "kind": "sft", "head": {"kind": "gaussian", "action_dim": 4, "horizon": 4, "state_dim": 8},
-       "sft": {"dataset": "tiny", "steps": STEPS, "batch_size": 8}, "checkpoint_every": 20}
+       "sft": {"dataset": "tiny", "steps": STEPS, "batch_size": 8}, "checkpoint_every": 100}
 
 
 @pytest.fixture(scope="module")
