@@ -10,6 +10,7 @@ jobs and training slots at once, and their states never mix. A job's policy id i
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import logging
 import os
@@ -17,7 +18,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vlamux.api.metering import Meter, RateLimiter
@@ -279,8 +280,6 @@ class ServiceHost:
         return self.job_view(tenant_id, job_id)
 
     def job_metrics(self, tenant_id: str, job_id: str, since: int = 0) -> tuple[list[dict], int]:
-        import csv
-
         rec = self._job(tenant_id, job_id)
         path = Path(rec.workdir) / "metrics.csv"
         if not path.exists():
@@ -352,7 +351,7 @@ class ServiceHost:
             raise InvalidInputError(f"seed: expected an integer, got {seed!r}")
         policy_id = uuid.uuid4().hex[:12]
         workdir = self.data_dir / "tenants" / tenant_id / "slots" / policy_id
-        spec = {"head": _asdict(head), "optimizer": _asdict(optim), "seed": seed}
+        spec = {"head": asdict(head), "optimizer": asdict(optim), "seed": seed}
         rec = self.store.create_job(tenant_id, body.get("name") or f"slot-{policy_id}", "slot", spec, str(workdir),
                                     job_id=policy_id)
         try:
@@ -494,12 +493,6 @@ def _num(v: str):
     return int(x) if x.is_integer() and "." not in v and "e" not in v.lower() else x
 
 
-def _asdict(obj) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(obj)
-
-
 def _checkpoint_view(c) -> dict:
     return {"id": c.id, "policy_id": c.policy_id, "policy_version": c.policy_version, "bytes": c.bytes,
             "sha256": c.sha256, "created_at": c.created_at, "job_id": c.job_id}
@@ -539,5 +532,5 @@ def _jsonable(x):
     if hasattr(x, "tolist"):
         return x.tolist()
     if hasattr(x, "__dataclass_fields__"):
-        return _jsonable(_asdict(x))
+        return _jsonable(asdict(x))
     return str(x)
