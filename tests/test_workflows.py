@@ -77,6 +77,29 @@ def test_rl_runs_within_budget_with_bounded_staleness(runtime, mode):
     assert runtime.environment.list_sessions(tenant) == []  # its sessions were closed
 
 
+def test_multi_task_rl_gives_each_sub_batch_its_task(runtime):
+    tenant = "multi-task"
+    _slot(runtime, tenant)
+    tasks = ("goal/touch-red-cube", "spatial/touch-left-cube")
+    cfg = RLConfig(env=ENV, tasks=tasks, mode="sync", env_steps=96, n_envs=2, sub_batches=2, segment_steps=6,
+                   minibatch_rows=8)
+    assert [cfg.task_of(i) for i in range(4)] == list(tasks) * 2
+    lock = __import__("threading").Lock()
+    instructions = []
+    for i in range(2):
+        s = Sampler(runtime, tenant, cfg, i, Stats(), lock)
+        try:
+            instructions.append(set(s._reset()["instruction"]))
+        finally:
+            s.close()
+    assert len(instructions[0]) == len(instructions[1]) == 1 and instructions[0] != instructions[1]
+    stats = RLRun(runtime, tenant, cfg).run()
+    assert set(stats.by_task) == set(tasks)  # both tasks' episodes ended, and were told apart
+    assert sum(n for _, n in stats.by_task.values()) == len(stats.episodes)
+    with pytest.raises(Exception, match="sub_batches: 3 must be a multiple of the number of tasks"):
+        RLConfig(env=ENV, tasks=tasks, sub_batches=3)
+
+
 def test_grpo_groups_start_from_one_state(runtime):
     tenant = "grpo"
     _slot(runtime, tenant, "bins")
@@ -115,6 +138,8 @@ def test_job_spec_errors_name_the_field():
     cases = [({"rl": {"env": {"tsk": 1}}}, "rl.env.tsk: unknown field"),
              ({"head": {**HEAD, "horizon": "4"}}, "head.horizon: expected an integer"),
              ({"rl": {"algorithm": "dqn"}}, "rl.algorithm"),
+             ({"rl": {"tasks": ["a", "b"], "sub_batches": 3}}, "rl.sub_batches: 3 must be a multiple"),
+             ({"rl": {"tasks": "spatial"}}, "rl.tasks: expected a list"),
              ({"kind": "train"}, "kind:"),
              ({"optimizer": {"lr": "fast"}}, "optimizer.lr: expected a number"),
              ({"name": "a b"}, "name:")]

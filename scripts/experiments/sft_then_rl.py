@@ -8,7 +8,7 @@ path: a backbone forward every step, the Training and Inference Queues, the Envi
         --algorithm grpo --env-steps 20000 --epochs 2 --lr 3e-5
 
     # The spatial suite on the pretrained backbone: SFT on its 4 tasks, evaluated on all 4; then RL
-    # on one task from that policy, evaluated on all 4 before and after
+    # on one task, or on all 4 (--task spatial), from that policy, evaluated on all 4 before and after
     S="--weights tiny-tabletop --instruction-cond adaln --eval-tasks spatial"
     python scripts/experiments/sft_then_rl.py sft $S --dataset data/sft_probe/spatial4-150-32 --steps 3000 \\
         --workdir runs/spatial
@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from vlamux.envs.tabletop.tasks import SUITES
 from vlamux.jobs.master import MasterService
 from vlamux.model import BackboneSpec
 from vlamux.services.queues import InferenceQueueConfig
@@ -47,23 +48,25 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="runs/exp")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--weights", default=None, help="backbone weights (e.g. tiny-tabletop, the shipped pretrained)")
-    ap.add_argument("--task", default="goal/touch-red-cube", help="the RL task")
+    ap.add_argument("--task", default="goal/touch-red-cube",
+                    help="the RL task, or a suite name / comma-separated tasks (multi-task RL: a sub-batch per task)")
+    ap.add_argument("--group-size", type=int, default=4, help="grpo: envs reset to one state")
+    ap.add_argument("--n-envs", type=int, default=8, help="envs per sub-batch")
     ap.add_argument("--eval-tasks", default="", help="a suite name or comma-separated tasks (default: --task)")
     ap.add_argument("--instruction-cond", default="add", choices=("none", "add", "adaln"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     head = {**HEAD, "instruction_cond": args.instruction_cond}
-    env = {"task": args.task, "image_size": 32, "max_steps": 120, "n_action_steps": 4}
-    tasks = []
-    if args.eval_tasks:
-        from vlamux.envs.tabletop.tasks import SUITES
-
-        tasks = SUITES.get(args.eval_tasks) or args.eval_tasks.split(",")
-    rl = {"env": env, "env_steps": args.env_steps, "n_envs": 8, "sub_batches": 2, "segment_steps": 8,
+    rl_tasks = SUITES.get(args.task) or args.task.split(",")
+    env = {"task": rl_tasks[0], "image_size": 32, "max_steps": 120, "n_action_steps": 4}
+    tasks = (SUITES.get(args.eval_tasks) or args.eval_tasks.split(",")) if args.eval_tasks else []
+    rl = {"env": env, "env_steps": args.env_steps, "n_envs": args.n_envs, "sub_batches": 2, "segment_steps": 8,
           "minibatch_rows": 64, "lr": args.lr, "max_staleness": 2 * args.epochs, "epochs": args.epochs,
           "algorithm": args.algorithm, "critic_warmup": args.critic_warmup}
     if args.algorithm == "grpo":
-        rl.update({"group_size": 4, "segment_steps": 30})
+        rl.update({"group_size": args.group_size, "segment_steps": 30})
+    if len(rl_tasks) > 1:
+        rl.update({"tasks": rl_tasks, "sub_batches": len(rl_tasks)})
     spec = {"name": args.what, "tenant": "g", "kind": "rl", "head": head, "optimizer": {"lr": 1e-3}, "rl": rl,
             "eval": {"episodes": args.episodes, "n_envs": 10, "env": env, "before": args.what == "rl",
                      "tasks": tasks},

@@ -204,14 +204,14 @@ class MasterService:
         return {"env_steps": done + st.env_steps, "episodes": len(st.episodes), "success_rate": st.success_rate(),
                 "segments_trained": st.segments_trained, "segments_dropped": st.segments_dropped,
                 "rows_dropped": st.rows_dropped, "max_staleness_seen": max(st.lags, default=0),
-                "env_steps_per_s": st.env_steps / max(wall, 1e-9), "curve": st.episodes, "lane_busy_s": st.lane_busy_s}
+                "env_steps_per_s": st.env_steps / max(wall, 1e-9), "curve": st.episodes, "by_task": st.by_task, "lane_busy_s": st.lane_busy_s}
 
     def _evaluate(self, job: Job) -> dict:
         spec, ev = job.spec, job.spec.eval
         env = ev.env or spec.env
         if env is None:
             raise JobSpecError("eval.env: an sft job's evaluation needs an env spec")
-        tasks = ev.tasks or [env.task]
+        tasks = ev.tasks or (list(spec.rl.tasks) if spec.rl is not None and spec.rl.tasks else [env.task])
         job.progress = {"phase": "eval", "tasks": tasks}
         return evaluate(self.services, spec.tenant, env, tasks, ev.episodes, seed=ev.seed, n_envs=ev.n_envs)
 

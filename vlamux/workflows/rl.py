@@ -21,6 +21,7 @@ wait until the new weights reached inference — as RLinf and most VLA RL stacks
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class RLConfig:
     env: EnvSpec = field(default_factory=EnvSpec)
+    tasks: tuple = ()  # multi-task RL: sub-batch i runs tasks[i % len(tasks)] (default: env.task only)
     algorithm: str = "ppo"  # ppo | grpo
     mode: str = "async"  # async (four lanes) | sync (phases)
     env_steps: int = 2000  # budget: simulator steps over all envs
@@ -75,6 +77,12 @@ class RLConfig:
             raise VlamuxError(f"mode: expected 'async' or 'sync', got {self.mode!r}")
         if self.algorithm == "grpo" and self.n_envs % self.group_size:
             raise VlamuxError(f"group_size: {self.group_size} must divide n_envs ({self.n_envs})")
+        if self.tasks and self.sub_batches % len(self.tasks):
+            raise VlamuxError(f"sub_batches: {self.sub_batches} must be a multiple of the number of tasks "
+                              f"({len(self.tasks)}), so that every task gets the same share of the envs")
+
+    def task_of(self, sub_batch: int) -> str:
+        return self.tasks[sub_batch % len(self.tasks)] if self.tasks else self.env.task
 
 
 @dataclass
@@ -83,6 +91,7 @@ class Stats:
 
     env_steps: int = 0
     episodes: list = field(default_factory=list)  # (env_steps at the end, success)
+    by_task: dict = field(default_factory=dict)  # task -> [successes, episodes]
     segments_trained: int = 0
     segments_dropped: int = 0  # nothing fresh enough (or, GRPO, no group with signal) left to train on
     rows_dropped: int = 0  # steps older than max_staleness versions, left out
@@ -104,7 +113,9 @@ class Sampler:
         self.services, self.tenant, self.cfg, self.index = services, tenant, cfg, index
         self.stats, self.lock = stats, lock
         self.env = services.environment
-        self.sid = self.env.open_session(tenant, cfg.env, cfg.n_envs, seed=cfg.seed + 1000 * index,
+        self.task = cfg.task_of(index)
+        spec = cfg.env if self.task == cfg.env.task else dataclasses.replace(cfg.env, task=self.task)
+        self.sid = self.env.open_session(tenant, spec, cfg.n_envs, seed=cfg.seed + 1000 * index,
                                          n_workers=cfg.env_workers, timeout_s=cfg.timeout_s)
         self.obs = None
         self.pending = None  # the chunk for the current observations, asked for ahead of time
@@ -169,7 +180,11 @@ class Sampler:
                 self.stats.env_steps += n * executed
                 for i in finished:
                     if not grpo or alive[i]:
-                        self.stats.episodes.append((self.stats.env_steps, bool(infos[i].get("is_success", False))))
+                        ok = bool(infos[i].get("is_success", False))
+                        self.stats.episodes.append((self.stats.env_steps, ok))
+                        tally = self.stats.by_task.setdefault(self.task, [0, 0])
+                        tally[0] += ok
+                        tally[1] += 1
             if grpo:
                 alive &= ~torch.as_tensor(done)
             if len(finished):
