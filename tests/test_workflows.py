@@ -181,6 +181,27 @@ def test_master_runs_an_sft_job_with_checkpoints_and_resumes(runtime, demos, tmp
     assert job.result["policy_version"] == 10  # version 6 from the checkpoint, then 4 more steps
 
 
+def test_master_runs_a_multi_task_rl_job_and_keeps_its_final_policy(runtime, tmp_path):
+    master = MasterService(runtime, tmp_path)
+    tasks = ["goal/touch-red-cube", "spatial/touch-left-cube"]
+    spec = {"name": "mt", "tenant": "mt", "kind": "rl", "head": HEAD, "checkpoint_every": 1000,
+            "rl": {"env": {"task": ENV.task, "image_size": 16, "max_steps": 12, "n_action_steps": 2}, "tasks": tasks,
+                   "env_steps": 64, "n_envs": 2, "sub_batches": 2, "segment_steps": 4, "mode": "sync"},
+            "eval": {"episodes": 2, "n_envs": 2, "before": False}}
+    job = master.wait(master.submit(spec), 300)
+    assert job.state == "succeeded", job.error
+    assert list(job.result["after"]["tasks"]) == tasks  # evaluated on the tasks it trained on
+    state = json.loads((tmp_path / "mt" / "state.json").read_text())
+    version = job.result["policy_version"]
+    assert state["phase"] == "rl-done" and state["env_steps"] >= 64 and version >= 1
+    # resubmitted (e.g. after a restart during the final evaluation): restored, not trained again
+    runtime.training.runner.remove_slot("mt")
+    runtime._recipes.pop("mt", None)
+    again = master.wait(master.submit(spec), 300)
+    assert again.state == "succeeded", again.error
+    assert "rl" not in again.result and again.result["policy_version"] == version
+
+
 def test_a_failing_job_fails_alone_and_cancel_stops_a_job(runtime, tmp_path):
     master = MasterService(runtime, tmp_path)
     bad = master.submit({"name": "bad", "tenant": "bad", "kind": "sft", "head": HEAD,

@@ -137,7 +137,7 @@ class MasterService:
                 result["sft"] = self._sft(job, sft, metrics, checkpoint, resume)
                 if spec.kind == "rl" and spec.eval is not None:
                     result["after_sft"] = self._evaluate(job)  # where RL starts from
-            if spec.kind == "rl":
+            if spec.kind == "rl" and not (resume and resume["phase"] == "rl-done"):
                 result["rl"] = self._rl(job, metrics, checkpoint, resume)
             if spec.eval is not None:
                 result["after"] = self._evaluate(job)
@@ -200,6 +200,7 @@ class MasterService:
 
         run.on_progress = on_progress
         st = run.run()
+        checkpoint("rl-done", st.segments_trained, done + st.env_steps)  # the trained policy, kept
         wall = time.monotonic() - t0
         return {"env_steps": done + st.env_steps, "episodes": len(st.episodes), "success_rate": st.success_rate(),
                 "segments_trained": st.segments_trained, "segments_dropped": st.segments_dropped,
