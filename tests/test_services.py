@@ -165,3 +165,24 @@ def test_a_checkpoint_rollback_gets_a_new_version_and_reaches_inference(services
     infer_actions = infer.predict("acme", obs, deterministic=True).result(30)
     assert infer_actions["policy_version"] == 3  # version 1's weights under a new number, not 1 again
     assert torch.equal(infer_actions["actions"], want["actions"])
+
+
+def test_set_lr_keeps_or_forgets_the_optimizer_moments_and_touches_only_its_tenant(services):
+    train, _, _ = services
+    data = tenant_batches(batch=2)
+    for t in ("acme", "bolt"):
+        train.forward_backward(t, *data[t]).result(30)
+        train.optim_step(t).result(30)
+    slot, other = train.runner.slot("acme"), train.runner.slot("bolt")
+    moments = {id(p): s["exp_avg_sq"].clone() for p, s in other.optimizer.state.items()}
+    assert train.set_lr("acme", 5e-4).result(30) == {"lr": 5e-4, "fresh_moments": False}
+    assert slot.optimizer.state and all(g["lr"] == 5e-4 for g in slot.optimizer.param_groups)
+    train.set_lr("acme", 2e-4, fresh_moments=True).result(30)
+    assert not slot.optimizer.state and slot.optim_spec.lr == 2e-4
+    train.forward_backward("acme", *data["acme"]).result(30)
+    train.optim_step("acme").result(30)
+    assert {int(s["step"]) for s in slot.optimizer.state.values()} == {1}  # Adam started over
+    assert other.optim_spec.lr == 1e-3 and all(torch.equal(s["exp_avg_sq"], moments[id(p)])
+                                               for p, s in other.optimizer.state.items())
+    with pytest.raises(Exception, match="lr: expected a positive number"):
+        train.set_lr("acme", 0)

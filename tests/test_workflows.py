@@ -100,6 +100,29 @@ def test_multi_task_rl_gives_each_sub_batch_its_task(runtime):
         RLConfig(env=ENV, tasks=tasks, sub_batches=3)
 
 
+def test_a_minibatch_across_segments_keeps_each_observation_with_its_action():
+    """Rows of several segments, shuffled into one minibatch: the i-th observation is the i-th row's
+    (the order the actions and behaviour log-probs are given in), whatever segment it came from."""
+    from vlamux.workflows.rl import _observations
+    from vlamux.workflows.rollout import Segment, SegmentShape
+
+    shape = SegmentShape(steps=3, n_envs=2, cameras={"agentview": (2, 2)}, state_dim=1, horizon=1, action_dim=1)
+    parts, ids = [], []
+    for k in range(3):
+        seg = Segment(shape, pin=False)
+        seg.state.copy_(torch.arange(6, dtype=torch.float32).reshape(3, 2, 1) + 100 * k)  # row id, per segment
+        seg.images["agentview"].copy_(seg.state.to(torch.uint8).reshape(3, 2, 1, 1, 1).expand(3, 2, 3, 2, 2))
+        seg.instruction = [f"seg{k}-env0", f"seg{k}-env1"]
+        rows = torch.tensor([0, 3, 4, 5][: 2 + k])
+        parts.append((seg, rows))
+        ids += [(100 * k + int(r), f"seg{k}-env{int(r) % 2}") for r in rows]
+    idx = torch.randperm(len(ids), generator=torch.Generator().manual_seed(0))
+    obs = _observations(parts, idx)
+    assert obs.state[:, 0].tolist() == [ids[i][0] for i in idx.tolist()]
+    assert obs.instruction == [ids[i][1] for i in idx.tolist()]
+    assert obs.images["agentview"][:, 0, 0, 0].tolist() == [ids[i][0] % 256 for i in idx.tolist()]
+
+
 def test_grpo_groups_start_from_one_state(runtime):
     tenant = "grpo"
     _slot(runtime, tenant, "bins")

@@ -51,6 +51,8 @@ def main(argv=None) -> int:
     ap.add_argument("--task", default="goal/touch-red-cube",
                     help="the RL task, or a suite name / comma-separated tasks (multi-task RL: a sub-batch per task)")
     ap.add_argument("--group-size", type=int, default=4, help="grpo: envs reset to one state")
+    ap.add_argument("--mode", default="async", choices=("async", "sync"))
+    ap.add_argument("--step-mean", action="store_true", help="grpo: weigh steps, not episodes, equally")
     ap.add_argument("--n-envs", type=int, default=8, help="envs per sub-batch")
     ap.add_argument("--eval-tasks", default="", help="a suite name or comma-separated tasks (default: --task)")
     ap.add_argument("--instruction-cond", default="add", choices=("none", "add", "adaln"))
@@ -62,9 +64,9 @@ def main(argv=None) -> int:
     tasks = (SUITES.get(args.eval_tasks) or args.eval_tasks.split(",")) if args.eval_tasks else []
     rl = {"env": env, "env_steps": args.env_steps, "n_envs": args.n_envs, "sub_batches": 2, "segment_steps": 8,
           "minibatch_rows": 64, "lr": args.lr, "max_staleness": 2 * args.epochs, "epochs": args.epochs,
-          "algorithm": args.algorithm, "critic_warmup": args.critic_warmup}
+          "algorithm": args.algorithm, "critic_warmup": args.critic_warmup, "mode": args.mode}
     if args.algorithm == "grpo":
-        rl.update({"group_size": args.group_size, "segment_steps": 30})
+        rl.update({"group_size": args.group_size, "segment_steps": 30, "episode_mean": not args.step_mean})
     if len(rl_tasks) > 1:
         rl.update({"tasks": rl_tasks, "sub_batches": len(rl_tasks)})
     spec = {"name": args.what, "tenant": "g", "kind": "rl", "head": head, "optimizer": {"lr": 1e-3}, "rl": rl,
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
                 lo, hi = r[k]["ci95"]
                 print(f"{k:9s} success {r[k]['success']:.2f} [{lo:.2f}, {hi:.2f}] over {list(r[k]['tasks'])}")
         if r.get("rl"):
-            print("rl:", {k: v for k, v in r["rl"].items() if k not in ("curve", "lane_busy_s")})
+            print("rl:", {k: v for k, v in r["rl"].items() if k not in ("curve", "lane_busy_s", "approx_kl", "clip_frac")})
     finally:
         rt.stop()
     return 0

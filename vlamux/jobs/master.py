@@ -179,8 +179,8 @@ class MasterService:
         spec = job.spec
         done = resume["env_steps"] if resume and resume["phase"] == "rl" else 0
         cfg = dataclasses.replace(spec.rl, env_steps=max(0, spec.rl.env_steps - done))
-        if cfg.lr is not None:
-            self.services.set_lr(spec.tenant, cfg.lr).result(120)
+        if cfg.lr is not None:  # a resumed RL phase keeps the moments its checkpoint holds
+            self.services.set_lr(spec.tenant, cfg.lr, cfg.fresh_optimizer and not done).result(120)
         run = RLRun(self.services, spec.tenant, cfg)
         t0 = time.monotonic()
 
@@ -205,7 +205,8 @@ class MasterService:
         return {"env_steps": done + st.env_steps, "episodes": len(st.episodes), "success_rate": st.success_rate(),
                 "segments_trained": st.segments_trained, "segments_dropped": st.segments_dropped,
                 "rows_dropped": st.rows_dropped, "max_staleness_seen": max(st.lags, default=0),
-                "env_steps_per_s": st.env_steps / max(wall, 1e-9), "curve": st.episodes, "by_task": st.by_task, "lane_busy_s": st.lane_busy_s}
+                "env_steps_per_s": st.env_steps / max(wall, 1e-9), "curve": st.episodes, "by_task": st.by_task,
+                "approx_kl": st.approx_kl, "clip_frac": st.clip_frac, "lane_busy_s": st.lane_busy_s}
 
     def _evaluate(self, job: Job) -> dict:
         spec, ev = job.spec, job.spec.eval

@@ -124,8 +124,8 @@ class RayServices:
     def optim_step(self, tenant: str, *args, **kwargs) -> Future:
         return self._in_order(tenant, lambda: self.rt.optim_step(tenant, *args, **kwargs))
 
-    def set_lr(self, tenant: str, lr: float) -> Future:
-        return self._in_order(tenant, lambda: self.rt.set_lr(tenant, lr))
+    def set_lr(self, tenant: str, lr: float, fresh_moments: bool = False) -> Future:
+        return self._in_order(tenant, lambda: self.rt.set_lr(tenant, lr, fresh_moments))
 
     def save_state(self, tenant: str, path) -> Future:
         return self._in_order(tenant, lambda: self.rt.save_state(tenant, path))

@@ -132,8 +132,8 @@ class TrainingActor(_Actor):
     def version(self, tenant):
         return self.svc.version(tenant)
 
-    def set_lr(self, tenant, lr):
-        return self.svc.set_lr(tenant, lr).result(CALL_TIMEOUT_S)
+    def set_lr(self, tenant, lr, fresh_moments=False):
+        return self.svc.set_lr(tenant, lr, fresh_moments).result(CALL_TIMEOUT_S)
 
     def tenants(self) -> list:
         return self.svc.tenants()
@@ -335,8 +335,8 @@ class RayRuntime:
         fut.add_done_callback(lambda f: f.exception() is None and self._checkpoints.__setitem__(tenant, str(path)))
         return fut
 
-    def set_lr(self, tenant: str, lr: float) -> Future:
-        return self.training.set_lr.remote(tenant, lr).future()
+    def set_lr(self, tenant: str, lr: float, fresh_moments: bool = False) -> Future:
+        return self.training.set_lr.remote(tenant, lr, fresh_moments).future()
 
     def version(self, tenant: str) -> int:
         return ray.get(self.training.version.remote(tenant), timeout=CALL_TIMEOUT_S)

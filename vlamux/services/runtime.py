@@ -112,8 +112,8 @@ class EmbeddedRuntime:
         fut.add_done_callback(lambda f: f.exception() is None and self._checkpoints.__setitem__(tenant, Path(path)))
         return fut
 
-    def set_lr(self, tenant: str, lr: float) -> Future:
-        return self.training.set_lr(tenant, lr)
+    def set_lr(self, tenant: str, lr: float, fresh_moments: bool = False) -> Future:
+        return self.training.set_lr(tenant, lr, fresh_moments)
 
     def forward_backward(self, tenant: str, *args, **kwargs) -> Future:
         return self.training.forward_backward(tenant, *args, **kwargs)

@@ -72,12 +72,13 @@ class TrainingModelService(EngineLoop):
     def load_state(self, tenant: str, path: str | Path) -> Future:
         return self.queue.submit(TrainOp(tenant, "load_state", Path(path)))
 
-    def set_lr(self, tenant: str, lr: float) -> Future:
+    def set_lr(self, tenant: str, lr: float, fresh_moments: bool = False) -> Future:
         """Change the tenant's learning rate (e.g. between a job's SFT and RL phases), in order with its
-        other operations; the optimizer's state is kept."""
+        other operations. fresh_moments: also forget the optimizer's running moments, as a new phase
+        with gradients of another scale wants (otherwise they are kept)."""
         if not (isinstance(lr, (int, float)) and lr > 0):
             raise InvalidInputError(f"lr: expected a positive number, got {lr!r}")
-        return self.queue.submit(TrainOp(tenant, "set_lr", float(lr)))
+        return self.queue.submit(TrainOp(tenant, "set_lr", (float(lr), bool(fresh_moments))))
 
     def version(self, tenant: str) -> int:
         slot = self.runner.slots.get(tenant)
@@ -129,10 +130,13 @@ class TrainingModelService(EngineLoop):
             return out
         if op.kind == "set_lr":
             slot = self.runner.slot(op.tenant)
+            lr, fresh = op.payload
             for g in slot.optimizer.param_groups:
-                g["lr"] = op.payload
-            slot.optim_spec = dataclasses.replace(slot.optim_spec, lr=op.payload)
-            return {"lr": op.payload}
+                g["lr"] = lr
+            if fresh:
+                slot.optimizer.state.clear()  # Adam re-initialises them, bias correction included
+            slot.optim_spec = dataclasses.replace(slot.optim_spec, lr=lr)
+            return {"lr": lr, "fresh_moments": fresh}
         if op.kind == "save_state":
             self.runner.slot(op.tenant).save(op.payload)
             return {"path": str(op.payload), "policy_version": self.version(op.tenant)}

@@ -54,6 +54,8 @@ class RLConfig:
     env_workers: int = 1  # worker processes per sub-batch
     segment_steps: int = 16  # vectorised steps per segment (GRPO: long enough for an episode)
     group_size: int = 4  # GRPO: envs reset to the same state
+    episode_mean: bool = True  # GRPO: every episode weighs the same, however long (as in the GRPO paper);
+    # False: every step does, so long (failed) episodes outweigh short (successful) ones
     gamma: float = 0.99
     lam: float = 0.95
     clip_eps: float = 0.2
@@ -69,6 +71,8 @@ class RLConfig:
     seed: int = 0
     timeout_s: float = 120.0  # bound on any single service call
     lr: float | None = None  # the learning rate for RL (None: keep the slot's), e.g. below the SFT phase's
+    fresh_optimizer: bool = True  # with lr set: RL starts with fresh Adam moments. A converged SFT phase
+    # leaves tiny second moments, which would scale the first policy-gradient steps up many times
 
     def __post_init__(self):
         if self.algorithm not in ("ppo", "grpo"):
@@ -97,6 +101,8 @@ class Stats:
     rows_dropped: int = 0  # steps older than max_staleness versions, left out
     lags: list = field(default_factory=list)
     losses: list = field(default_factory=list)
+    approx_kl: list = field(default_factory=list)  # per update, its last pass: how far the policy moved
+    clip_frac: list = field(default_factory=list)
     version: int = 0
     started: float = field(default_factory=time.monotonic)
     lane_busy_s: dict = field(default_factory=lambda: {"sampling": 0.0, "inference": 0.0, "training": 0.0})
@@ -239,9 +245,12 @@ class Learner:
                     # the queue's staleness guard is for the data's age, not for this update's own passes
                     policy_version=int(versions[mb].min()) if epoch == 0 else None, loss=loss)))
             step = self.services.optim_step(self.tenant)
+            kl, clipped = [], []
             for mb, fut in futures:
                 out = fut.result(cfg.timeout_s)
                 losses.append(out["loss"])
+                kl.append(out["approx_kl"])
+                clipped.append(out["clip_frac"])
                 if epoch == 0:
                     proximal[mb] = out["log_prob"]
             new_version = step.result(cfg.timeout_s)["policy_version"]
@@ -249,6 +258,8 @@ class Learner:
             self.stats.segments_trained += len(parts)
             self.stats.version = new_version
             self.stats.losses.append(float(np.mean(losses)))
+            self.stats.approx_kl.append(float(np.mean(kl)))
+            self.stats.clip_frac.append(float(np.mean(clipped)))
             self.stats.lane_busy_s["training"] += time.perf_counter() - t0
 
     def _rows(self, seg: Segment, version: int):
@@ -259,6 +270,9 @@ class Learner:
         if cfg.algorithm == "grpo":
             ep_return = (seg.reward * seg.valid).sum(0)
             adv_env, keep = group_advantages(ep_return, torch.as_tensor(seg.group))
+            if cfg.episode_mean:
+                steps = seg.valid.sum(0).clamp(min=1).float()
+                adv_env = adv_env * steps[keep].mean() / steps if keep.any() else adv_env
             adv, ret = adv_env.expand_as(seg.reward).clone(), torch.zeros_like(seg.reward)
             valid &= keep
         else:
@@ -277,20 +291,22 @@ class Learner:
 
 
 def _observations(parts: list, idx: torch.Tensor):
-    """The Observation of rows `idx` of the concatenation of each (segment, rows) part."""
-    offsets, start = [], 0
+    """The Observation of rows `idx` of the concatenation of each (segment, rows) part, in idx's order
+    (the order of the actions and log-probs they are trained with)."""
+    pieces, placed, start = [], [], 0
     for seg, rows in parts:
-        offsets.append(start)
+        inside = (idx >= start) & (idx < start + len(rows))
+        if inside.any():
+            pieces.append(seg.rows(rows[idx[inside] - start]))
+            placed.append(torch.nonzero(inside).squeeze(1))
         start += len(rows)
-    pieces = []
-    for (seg, rows), off in zip(parts, offsets):
-        mine = idx[(idx >= off) & (idx < off + len(rows))] - off
-        if len(mine):
-            pieces.append(seg.rows(rows[mine]))
     if len(pieces) == 1:
         return pieces[0]
-    return Observation({c: torch.cat([p.images[c] for p in pieces]) for c in pieces[0].images},
-                       [s for p in pieces for s in p.instruction], torch.cat([p.state for p in pieces]))
+    back = torch.empty(len(idx), dtype=torch.long)
+    back[torch.cat(placed)] = torch.arange(len(idx))  # minibatch position -> row of the concatenation
+    instructions = [s for p in pieces for s in p.instruction]
+    return Observation({c: torch.cat([p.images[c] for p in pieces])[back] for c in pieces[0].images},
+                       [instructions[i] for i in back.tolist()], torch.cat([p.state for p in pieces])[back])
 
 
 class RLRun:
