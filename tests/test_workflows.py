@@ -82,7 +82,7 @@ def test_multi_task_rl_gives_each_sub_batch_its_task(runtime):
     _slot(runtime, tenant)
     tasks = ("goal/touch-red-cube", "spatial/touch-left-cube")
     cfg = RLConfig(env=ENV, tasks=tasks, mode="sync", env_steps=96, n_envs=2, sub_batches=2, segment_steps=6,
-                   minibatch_rows=8)
+                   minibatch_rows=8, lr=2e-4)
     assert [cfg.task_of(i) for i in range(4)] == list(tasks) * 2
     lock = __import__("threading").Lock()
     instructions = []
@@ -95,6 +95,7 @@ def test_multi_task_rl_gives_each_sub_batch_its_task(runtime):
     assert len(instructions[0]) == len(instructions[1]) == 1 and instructions[0] != instructions[1]
     stats = RLRun(runtime, tenant, cfg).run()
     assert set(stats.by_task) == set(tasks)  # both tasks' episodes ended, and were told apart
+    assert runtime.training.runner.slot(tenant).optim_spec.lr == 2e-4  # the RL phase's own rate
     assert sum(n for _, n in stats.by_task.values()) == len(stats.episodes)
     with pytest.raises(Exception, match="sub_batches: 3 must be a multiple of the number of tasks"):
         RLConfig(env=ENV, tasks=tasks, sub_batches=3)

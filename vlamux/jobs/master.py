@@ -178,9 +178,9 @@ class MasterService:
     def _rl(self, job: Job, metrics, checkpoint, resume) -> dict:
         spec = job.spec
         done = resume["env_steps"] if resume and resume["phase"] == "rl" else 0
-        cfg = dataclasses.replace(spec.rl, env_steps=max(0, spec.rl.env_steps - done))
-        if cfg.lr is not None:  # a resumed RL phase keeps the moments its checkpoint holds
-            self.services.set_lr(spec.tenant, cfg.lr, cfg.fresh_optimizer and not done).result(120)
+        # a resumed RL phase keeps the optimizer moments its checkpoint holds
+        cfg = dataclasses.replace(spec.rl, env_steps=max(0, spec.rl.env_steps - done),
+                                  fresh_optimizer=spec.rl.fresh_optimizer and not done)
         run = RLRun(self.services, spec.tenant, cfg)
         t0 = time.monotonic()
 

@@ -323,6 +323,8 @@ class RLRun:
 
     def run(self) -> Stats:
         cfg = self.cfg
+        if cfg.lr is not None:
+            self.services.set_lr(self.tenant, cfg.lr, cfg.fresh_optimizer).result(cfg.timeout_s)
         samplers = [Sampler(self.services, self.tenant, cfg, i, self.stats, self.lock) for i in range(cfg.sub_batches)]
         try:
             shape = self._shape(samplers[0])
