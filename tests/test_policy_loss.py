@@ -56,6 +56,21 @@ def test_positive_advantage_makes_the_taken_chunk_more_likely(backbone):
         assert change[adv > 0].mean() > change[adv < 0].mean() + 0.1, (t, change)
 
 
+def test_the_value_loss_trains_the_critic_and_leaves_the_policy_alone(backbone):
+    """With zero advantages (PPO's critic warm-up) only the value head may change: a fresh critic's
+    large errors must not rewrite the decoder an SFT policy acts with."""
+    runner = make_runner(backbone, RL)
+    data = tenant_batches(batch=4, tenants=RL)
+    taken = rollout(runner, data)
+    for t in RL:
+        head = runner.slot(t).head
+        loss = PolicyLoss(taken[t][1], torch.zeros(4), returns=torch.full((4,), 5.0))
+        runner.execute([ForwardBackward(t, data[t][0], taken[t][0], loss=loss)])[0].unwrap()
+        grads = {n: p.grad for n, p in head.named_parameters() if p.grad is not None}
+        assert set(grads) and all(n.startswith("value_head.") for n, g in grads.items() if g.abs().sum() > 0), t
+        assert grads["value_head.weight"].abs().sum() > 0
+
+
 def test_rl_loss_grouped_equals_serial_with_supervised_neighbours(backbone):
     data = tenant_batches(batch=3, seed=4)
     a, b = make_runner(backbone), make_runner(backbone)

@@ -110,7 +110,9 @@ class ActionHead(nn.Module):
         return out[:, -self.spec.horizon:], out.mean(dim=1)
 
     def value(self, pooled: Tensor) -> Tensor:
-        return self.value_head(pooled).squeeze(-1)
+        # The critic reads the policy's features but does not train them: fitting a fresh critic
+        # (PPO's warm-up on an SFT policy) would otherwise rewrite the decoder the actions come from.
+        return self.value_head(pooled.detach()).squeeze(-1)
 
     def loss(self, feature: VLAFeature, state: Tensor | None, actions: Tensor, action_mask: Tensor,
              generator: torch.Generator) -> tuple[Tensor, dict[str, float]]:
