@@ -39,6 +39,7 @@ from vlamux.services.training import TrainingModelService
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 120.0
+RESTORE_WAIT_S = 60.0  # how long a request waits for a replica being restarted and restored
 
 
 class _Actor:
@@ -99,17 +100,43 @@ class TrainingActor(_Actor):
         self._init(torch_threads)
         self.publisher = PolicyPublisher()
         self.publisher.start()
+        self._sent: list = []  # stage_policy calls not yet known to have landed (flush waits for them)
+        self._sent_lock = threading.Lock()
         self.svc = TrainingModelService(build_backbone(backbone, device=device), self.publisher, max_staleness,
                                         max_group_rows).start()
 
     def subscribe(self, name: str, replica) -> None:
-        self.publisher.subscribe(name, lambda snap: replica.stage_policy.remote(snap))
+        """New versions go to `replica` from now on, and every tenant's current one goes now: a new or
+        restored replica must not wait for a tenant's next step (nor trust the driver's copies,
+        which are fetched after the fact) to serve it. A replica keeps the newest of what it gets."""
+        self.publisher.subscribe(name, lambda snap: self._track(replica.stage_policy.remote(snap)))
+        current = [slot.export_policy() for slot in list(self.svc.runner.slots.values())]
+        ray.get([replica.stage_policy.remote(s) for s in current], timeout=CALL_TIMEOUT_S)
+
+    def _track(self, ref) -> None:
+        # sent without waiting (a hung replica must not hold up the others' versions), remembered so
+        # that a flush can wait until they landed
+        with self._sent_lock:
+            self._sent.append(ref)
+            if len(self._sent) > 256:
+                _, self._sent = ray.wait(self._sent, num_returns=len(self._sent), timeout=0)
 
     def unsubscribe(self, name: str) -> None:
         self.publisher.unsubscribe(name)
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        return self.publisher.flush(timeout_s)
+        """True once every published version has reached every replica (landed, not only sent)."""
+        end = time.monotonic() + timeout_s
+        if not self.publisher.flush(timeout_s):
+            return False
+        with self._sent_lock:
+            sent, self._sent = self._sent, []
+        if not sent:
+            return True
+        _, pending = ray.wait(sent, num_returns=len(sent), timeout=max(0.0, end - time.monotonic()))
+        with self._sent_lock:
+            self._sent.extend(pending)
+        return not pending
 
     def create_slot(self, tenant, head_spec, optim=None, seed=0, stats=None):
         return self.svc.create_slot(tenant, head_spec, optim, seed, stats).result(CALL_TIMEOUT_S)
@@ -437,11 +464,11 @@ class RayRuntime:
                 deadline_s: float | None = None, tries: int = 3) -> Future:
         """A future of {"actions", "policy_version"}; `obs` may be an ObjectRef (it travels by reference)."""
         out: Future = Future()
-        self._route(out, tenant, obs, deterministic, deadline_s, tries)
+        self._route(out, tenant, obs, deterministic, deadline_s, tries, frozenset(), time.monotonic() + RESTORE_WAIT_S)
         return out
 
-    def _route(self, out: Future, tenant, obs, deterministic, deadline_s, tries: int,
-               avoid: frozenset = frozenset()) -> None:
+    def _route(self, out: Future, tenant, obs, deterministic, deadline_s, tries: int, avoid: frozenset,
+               give_up_at: float) -> None:
         with self._lock:
             names = [n for n in self.replicas if n not in avoid and n not in self._restoring] or \
                 [n for n in self.replicas if n not in avoid] or list(self.replicas)
@@ -457,13 +484,14 @@ class RayRuntime:
             with self._lock:
                 self._outstanding[name] -= 1
             e = f.exception()
+            args = (out, tenant, obs, deterministic, deadline_s, tries - 1, avoid | {name}, give_up_at)
             if isinstance(e, ray.exceptions.RayActorError) and tries > 1:  # replica went away: another one
-                self._followup(out, self._route, out, tenant, obs, deterministic, deadline_s, tries - 1,
-                               avoid | {name})
-            elif isinstance(e, UnknownTenantError) and tries > 1 and tenant in self.latest:
-                # a restarted replica still being restored: another one, or this one a moment later
-                self._followup(out, self._reroute_later, out, tenant, obs, deterministic, deadline_s, tries - 1,
-                               avoid | {name})
+                self._followup(out, self._route, *args)
+            elif (isinstance(e, ray.exceptions.RayActorError) or
+                  isinstance(e, UnknownTenantError) and tenant in self._recipes) and time.monotonic() < give_up_at:
+                # a replica being restarted, or restarted and still being restored: another one, or this
+                # one a moment later (bounded by give_up_at, not by a count: a restart takes seconds)
+                self._followup(out, self._reroute_later, *args)
             elif e is not None:
                 out.set_exception(e)
             else:
