@@ -120,8 +120,7 @@ class Sampler:
         self.stats, self.lock = stats, lock
         self.env = services.environment
         self.task = cfg.task_of(index)
-        spec = cfg.env if self.task == cfg.env.task else dataclasses.replace(cfg.env, task=self.task)
-        self.sid = self.env.open_session(tenant, spec, cfg.n_envs, seed=cfg.seed + 1000 * index,
+        self.sid = self.env.open_session(tenant, dataclasses.replace(cfg.env, task=self.task), cfg.n_envs, seed=cfg.seed + 1000 * index,
                                          n_workers=cfg.env_workers, timeout_s=cfg.timeout_s)
         self.obs = None
         self.pending = None  # the chunk for the current observations, asked for ahead of time
