@@ -86,6 +86,55 @@ def test_bad_action_names_the_problem():
         TabletopEnv("goal/fly-away")
 
 
+class Towards:
+    """Moves the fingers straight at object `i`, open, never closing: progress without success."""
+
+    def __init__(self, i):
+        self.i = i
+
+    def act(self, env):
+        between = (env.data.geom_xpos[env._gid["finger_l"]] + env.data.geom_xpos[env._gid["finger_r"]]) / 2
+        aim = env.object_pos(self.i) + np.array([0.0, 0.0, 0.04])  # stop short of the cube: no touch
+        return np.append(np.clip((aim - between) / 0.03, -1, 1), -1.0)
+
+
+@pytest.mark.parametrize("task", ["spatial/touch-left-cube", "spatial/lift-right-cube",
+                                  "goal/push-red-cube-green-zone"])
+def test_dense_reward_is_shaping_that_sums_to_progress_and_ranks_the_target(task):
+    sparse, dense = TabletopEnv(task, 32, render=False), TabletopEnv(task, 32, render=False, reward="dense")
+    for seed in range(3):
+        for env in (sparse, dense):
+            env.reset(seed=seed)
+        p0, total, expert_a, expert_b = dense.progress(), 0.0, ScriptedExpert(), ScriptedExpert()
+        for _ in range(dense.max_steps):
+            _, r_sparse, term_s, _, _ = sparse.step(expert_a.act(sparse))
+            _, r, term, trunc, info = dense.step(expert_b.act(dense))
+            assert r_sparse in (0.0, 1.0) and term == term_s  # the same physics, only the reward differs
+            total += r
+            if term or trunc:
+                break
+        assert info["is_success"]
+        # Potential-based: the return is success plus final minus first progress, whatever the path
+        assert total == pytest.approx(1.0 + dense.progress() - p0, abs=1e-6)
+        assert 0.0 <= p0 < dense.progress() < 1.0
+    # Reaching above the named cube earns more than reaching above another one, and neither succeeds
+    env = TabletopEnv("spatial/touch-left-cube", 32, render=False, reward="dense")
+    returns = {}
+    for i in (0, 2):
+        env.reset(seed=5)
+        returns[i] = sum(env.step(Towards(i).act(env))[1] for _ in range(25))
+        assert not env.is_success()
+    assert returns[0] > 0.2 > returns[2]
+
+
+def test_reward_option_is_checked():
+    with pytest.raises(ValueError, match="reward.*'sparse', 'dense'.*'shaped'"):
+        TabletopEnv("goal/touch-red-cube", render=False, reward="shaped")
+    with pytest.raises(ValueError, match="reward"):
+        make_env(EnvSpec(options={"reward": "shaped", "render": False}))
+    assert make_env(EnvSpec(image_size=16, options={"reward": "dense"})).reward_mode == "dense"
+
+
 @pytest.fixture
 def vec():
     v = VectorEnv(EnvSpec(task="goal/lift-red-cube", image_size=32, n_action_steps=2), n_envs=4, n_workers=2,

@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--step-mean", action="store_true", help="grpo: weigh steps, not episodes, equally")
     ap.add_argument("--n-envs", type=int, default=8, help="envs per sub-batch")
     ap.add_argument("--eval-tasks", default="", help="a suite name or comma-separated tasks (default: --task)")
+    ap.add_argument("--reward", default="sparse", choices=("sparse", "dense"),
+                    help="rl: the tabletop reward (dense: potential-based shaping on top of success)")
     ap.add_argument("--instruction-cond", default="add", choices=("none", "add", "adaln"))
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -62,7 +64,7 @@ def main(argv=None) -> int:
     rl_tasks = SUITES.get(args.task) or args.task.split(",")
     env = {"task": rl_tasks[0], "image_size": 32, "max_steps": 120, "n_action_steps": 4}
     tasks = (SUITES.get(args.eval_tasks) or args.eval_tasks.split(",")) if args.eval_tasks else []
-    rl = {"env": env, "env_steps": args.env_steps, "n_envs": args.n_envs, "sub_batches": 2, "segment_steps": 8,
+    rl = {"env": {**env, "options": {"reward": args.reward}}, "env_steps": args.env_steps, "n_envs": args.n_envs, "sub_batches": 2, "segment_steps": 8,
           "minibatch_rows": 64, "lr": args.lr, "max_staleness": 2 * args.epochs, "epochs": args.epochs,
           "algorithm": args.algorithm, "critic_warmup": args.critic_warmup, "mode": args.mode}
     if args.algorithm == "grpo":
