@@ -33,3 +33,33 @@ def test_demos_round_trip(tmp_path):
     obs, actions, mask = next(iter(sampler))
     assert isinstance(obs, Observation) and obs.images["wrist"].shape == (3, 3, 32, 32)
     assert actions.shape == (3, 4, 4) and mask.shape == (3, 4)
+
+
+def _replay(task: str, seed: int, actions: np.ndarray) -> np.ndarray:
+    from vlamux.envs.tabletop.env import TabletopEnv
+
+    env = TabletopEnv(task, 32, render=False)
+    states = [env.reset(seed=seed)[0]["state"]]
+    for a in actions[:-1]:
+        states.append(env.step(a)[0]["state"])
+    return np.stack(states)
+
+
+def test_dart_noise_moves_the_states_but_records_the_experts_clean_actions():
+    task, cams = "spatial/lift-left-cube", ("agentview",)
+    clean = expert_episode(task, 3, 32, cams)["frames"]
+    noisy = expert_episode(task, 3, 32, cams, noise=0.5)["frames"]
+    # without noise the recorded actions are what ran: replaying them gives the recorded states
+    assert np.allclose(_replay(task, 3, clean["action"]), clean["observation.state"], atol=1e-5)
+    # with noise what ran was not what is recorded, so a replay leaves the recorded path ...
+    drift = np.abs(_replay(task, 3, noisy["action"]) - noisy["observation.state"])[:, :3].max()
+    assert drift > 0.01
+    # ... and each recorded action is the expert's answer to the state it was in, run again here
+    from vlamux.envs.tabletop.env import TabletopEnv
+    from vlamux.envs.tabletop.expert import ScriptedExpert
+
+    env, expert, rng = TabletopEnv(task, 32, render=False), ScriptedExpert(), np.random.default_rng(3)
+    env.reset(seed=3)
+    for t, recorded in enumerate(noisy["action"]):
+        assert np.array_equal(expert.act(env).astype(np.float32), recorded), f"step {t}"
+        env.step(np.append(np.clip(recorded[:3] + rng.normal(0.0, 0.5, 3), -1, 1), recorded[3]).astype(np.float32))

@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--group-size", type=int, default=4, help="grpo: envs reset to one state")
     ap.add_argument("--mode", default="async", choices=("async", "sync"))
     ap.add_argument("--step-mean", action="store_true", help="grpo: weigh steps, not episodes, equally")
+    ap.add_argument("--segment-steps", type=int, default=0, help="vectorised steps per segment (default: ppo 8, grpo 30)")
     ap.add_argument("--n-envs", type=int, default=8, help="envs per sub-batch")
     ap.add_argument("--eval-tasks", default="", help="a suite name or comma-separated tasks (default: --task)")
     ap.add_argument("--reward", default="sparse", choices=("sparse", "dense"),
@@ -69,6 +70,8 @@ def main(argv=None) -> int:
           "algorithm": args.algorithm, "critic_warmup": args.critic_warmup, "mode": args.mode}
     if args.algorithm == "grpo":
         rl.update({"group_size": args.group_size, "segment_steps": 30, "episode_mean": not args.step_mean})
+    if args.segment_steps:
+        rl["segment_steps"] = args.segment_steps
     if len(rl_tasks) > 1:
         rl.update({"tasks": rl_tasks, "sub_batches": len(rl_tasks)})
     spec = {"name": args.what, "tenant": "g", "kind": "rl", "head": head, "optimizer": {"lr": 1e-3}, "rl": rl,

@@ -4,6 +4,11 @@ Episodes are simulated in worker processes (never in the caller's) and
 written by `LeRobotWriter`, so tenants can train on them and LeRobot's own
 tools can read them. Only successful episodes are kept.
 
+`noise` > 0 injects Gaussian noise into the motion the expert executes while the
+dataset keeps the expert's own (clean) action, as DART does (Laskey et al., 2017):
+the demonstrations then visit states slightly off the expert's path and show the
+way back, which a cloned policy needs once its own errors take it there.
+
     python -m vlamux.data.demos --suite goal --episodes 20 --out data/demos/tabletop-goal
 """
 
@@ -35,13 +40,16 @@ def features(image_size: int, cameras: tuple[str, ...]) -> dict:
     return out
 
 
-def expert_episode(task: str, seed: int, image_size: int, cameras: tuple[str, ...]) -> dict | None:
-    """One expert episode as frame arrays, or None if the expert failed."""
+def expert_episode(task: str, seed: int, image_size: int, cameras: tuple[str, ...],
+                   noise: float = 0.0) -> dict | None:
+    """One expert episode as frame arrays, or None if the expert failed. `noise`: std of the
+    Gaussian added to the executed motion (dx, dy, dz), never to the recorded action."""
     from vlamux.envs.tabletop.env import TabletopEnv
     from vlamux.envs.tabletop.expert import ScriptedExpert
 
     env, expert = TabletopEnv(task, image_size, cameras), ScriptedExpert()
     obs, _ = env.reset(seed=seed)
+    rng = np.random.default_rng(seed)
     frames = {k: [] for k in features(image_size, cameras)}
     success = False
     for _ in range(env.max_steps):
@@ -50,7 +58,10 @@ def expert_episode(task: str, seed: int, image_size: int, cameras: tuple[str, ..
             frames[f"observation.images.{c}"].append(obs["images"][c].transpose(1, 2, 0))
         frames["observation.state"].append(obs["state"])
         frames["action"].append(action)
-        obs, reward, term, trunc, info = env.step(action)
+        executed = action.copy()
+        if noise:
+            executed[:3] = np.clip(executed[:3] + rng.normal(0.0, noise, 3), -1.0, 1.0)
+        obs, reward, term, trunc, info = env.step(executed)
         frames["next.reward"].append(np.float32(reward))
         frames["next.success"].append(bool(info["is_success"]))
         if term or trunc:
@@ -62,13 +73,14 @@ def expert_episode(task: str, seed: int, image_size: int, cameras: tuple[str, ..
     return {"task": env.task.instruction, "frames": {k: np.stack(v) for k, v in frames.items()}}
 
 
-def _episodes(task: str, seeds: list[int], image_size: int, cameras: tuple[str, ...]) -> list[dict | None]:
-    return [expert_episode(task, s, image_size, cameras) for s in seeds]
+def _episodes(task: str, seeds: list[int], image_size: int, cameras: tuple[str, ...],
+              noise: float) -> list[dict | None]:
+    return [expert_episode(task, s, image_size, cameras, noise) for s in seeds]
 
 
 def generate(tasks: list[str], episodes_per_task: int, out: str | Path, image_size: int = 128,
              cameras: tuple[str, ...] = ("agentview", "wrist"), seed: int = 0, workers: int = 2,
-             overwrite: bool = False, progress=print) -> dict:
+             overwrite: bool = False, progress=print, noise: float = 0.0) -> dict:
     """Write `episodes_per_task` successful expert episodes of each task to a LeRobot dataset at `out`."""
     t0 = time.perf_counter()
     kept, failed = 0, 0
@@ -83,7 +95,8 @@ def generate(tasks: list[str], episodes_per_task: int, out: str | Path, image_si
                 next_seed += need
                 per_worker = [seeds[w::workers] for w in range(workers) if seeds[w::workers]]
                 for batch in pool.map(_episodes, [task] * len(per_worker), per_worker,
-                                      [image_size] * len(per_worker), [cameras] * len(per_worker)):
+                                      [image_size] * len(per_worker), [cameras] * len(per_worker),
+                                      [noise] * len(per_worker)):
                     for ep in batch:
                         if ep is None:
                             failed += 1
@@ -108,6 +121,8 @@ def main(argv=None) -> int:
     ap.add_argument("--image-size", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--noise", type=float, default=0.0,
+                    help="std of the noise added to the executed motion, not to the recorded action (DART)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--overwrite", action="store_true")
     args = ap.parse_args(argv)
@@ -117,8 +132,10 @@ def main(argv=None) -> int:
     for t in tasks:
         if t not in TASKS:
             ap.error(f"unknown task {t!r}")
+    if not 0.0 <= args.noise <= 1.0:
+        ap.error(f"--noise: expected a std in [0, 1] (actions are in [-1, 1]), got {args.noise}")
     r = generate(tasks, args.episodes, args.out, args.image_size, seed=args.seed, workers=args.workers,
-                 overwrite=args.overwrite)
+                 overwrite=args.overwrite, noise=args.noise)
     print(f"wrote {r['episodes']} episodes to {r['root']} in {r['seconds']:.0f}s "
           f"({r['failed']} failed expert episodes skipped)")
     return 0
