@@ -3,6 +3,7 @@ Master Service (checkpoints, metrics file, resume). Small budgets: these check b
 
 import csv
 import json
+import math
 
 import numpy as np
 import pytest
@@ -10,13 +11,14 @@ import torch
 
 from conftest import snapshot, same_bytes
 from vlamux.envs import EnvSpec
+from vlamux.errors import VlamuxError
 from vlamux.jobs import JobSpecError, load_spec
 from vlamux.jobs.master import MasterService
 from vlamux.model import BackboneSpec, HeadSpec, OptimizerSpec
 from vlamux.services.queues import InferenceQueueConfig
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
 from vlamux.workflows.advantages import gae, group_advantages
-from vlamux.workflows.evaluate import evaluate, wilson
+from vlamux.workflows.evaluate import evaluate, paired, wilson
 from vlamux.workflows.rl import RLConfig, RLRun, Sampler, Stats
 
 ENV = EnvSpec(task="goal/touch-red-cube", image_size=16, max_steps=12, n_action_steps=2)
@@ -152,8 +154,28 @@ def test_evaluation_reports_ci_and_never_touches_training(runtime):
     assert same_bytes(before, snapshot(runtime.training.runner.slot(tenant)))
     again = evaluate(runtime, tenant, ENV, [ENV.task], episodes=3, n_envs=2)
     assert again["tasks"][ENV.task]["successes"] == r["successes"]  # the same seeded episodes
+    assert len(r["outcomes"]) == 3 and r["outcomes"].count("1") == r["successes"]
+    assert again["tasks"][ENV.task]["outcomes"] == r["outcomes"]  # episode by episode
+    assert paired(out, again) == {"episodes": 3, "gained": 0, "lost": 0, "p_value": 1.0}
     lo, hi = wilson(8, 10)
     assert 0.49 < lo < 0.5 and 0.94 < hi < 0.95
+
+
+def _eval_of(outcomes: str, seed: int = 10_000) -> dict:
+    return {"tasks": {"t": {"outcomes": outcomes, "seed": seed}}}
+
+
+def test_paired_comparison_counts_gained_and_lost_episodes_with_mcnemars_p():
+    r = paired(_eval_of("0011" * 5), _eval_of("1011" * 5))  # 5 gained, none lost
+    assert (r["episodes"], r["gained"], r["lost"]) == (20, 5, 0)
+    assert r["p_value"] == pytest.approx(2 / 2 ** 5)  # exact: both tails of 5 fair coins all one way
+    balanced = paired(_eval_of("10" * 10), _eval_of("01" * 10))  # 10 gained, 10 lost: no evidence
+    assert (balanced["gained"], balanced["lost"], balanced["p_value"]) == (10, 10, 1.0)
+    big = paired(_eval_of("0" * 30 + "1" * 70), _eval_of("1" * 25 + "0" * 10 + "1" * 65))  # +25, -5
+    assert (big["gained"], big["lost"]) == (25, 5)
+    assert big["p_value"] == pytest.approx(sum(math.comb(30, k) for k in range(6)) / 2 ** 29)
+    with pytest.raises(VlamuxError, match="same seeds"):  # other seeds: not the same episodes
+        paired(_eval_of("01"), _eval_of("01", seed=7))
 
 
 def test_job_spec_errors_name_the_field():

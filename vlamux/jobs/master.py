@@ -21,7 +21,7 @@ from pathlib import Path
 
 from vlamux.errors import VlamuxError
 from vlamux.jobs.spec import JobSpec, JobSpecError, load_spec
-from vlamux.workflows.evaluate import evaluate
+from vlamux.workflows.evaluate import evaluate, paired
 from vlamux.workflows.rl import RLRun
 from vlamux.workflows.sft import SFTRun
 
@@ -141,6 +141,9 @@ class MasterService:
                 result["rl"] = self._rl(job, metrics, checkpoint, resume)
             if spec.eval is not None:
                 result["after"] = self._evaluate(job)
+                start = result.get("after_sft") or result.get("before")
+                if start is not None:  # the same seeds: did training change which episodes succeed?
+                    result["paired"] = paired(start, result["after"])
             result["wall_s"] = time.monotonic() - t0
             result["policy_version"] = svc.training.version(spec.tenant)
             job.result = result

@@ -1,5 +1,10 @@
 """Evaluation: N seeded episodes per task through the Inference Queue; success per task with a 95%
-Wilson interval. It only asks for actions, so it never touches a tenant's training state."""
+Wilson interval. It only asks for actions, so it never touches a tenant's training state.
+
+Each task's result also keeps its episodes' outcomes in seed order ("1" success, "0" failure), so
+two evaluations of one task on the same seeds can be compared episode by episode (`paired`): far
+more sensitive than comparing two success rates, whose intervals overlap long before a
+difference this size is noise."""
 
 from __future__ import annotations
 
@@ -40,6 +45,7 @@ def evaluate(services, tenant: str, env: EnvSpec, tasks: list[str], episodes: in
         spec = dataclasses.replace(env, task=task)
         n = min(n_envs, episodes)
         sid = env_api.open_session(tenant, spec, n, n_workers=env_workers, timeout_s=timeout_s)
+        outcomes = ["0"] * episodes
         successes = counted = 0
         try:
             for first in range(0, episodes, n):  # a round: every env starts one seeded episode
@@ -56,6 +62,7 @@ def evaluate(services, tenant: str, env: EnvSpec, tasks: list[str], episodes: in
                     ended = np.asarray(term) | np.asarray(trunc)
                     for i in np.flatnonzero(ended & alive & counts):
                         ok = bool(infos[i].get("is_success", False))
+                        outcomes[first + i] = "1" if ok else "0"
                         successes += ok
                         counted += 1
                         if on_episode:
@@ -68,8 +75,35 @@ def evaluate(services, tenant: str, env: EnvSpec, tasks: list[str], episodes: in
         finally:
             env_api.close_session(tenant, sid)
         out[task] = {"successes": successes, "episodes": counted, "rate": successes / counted,
-                     "ci95": wilson(successes, counted)}
+                     "ci95": wilson(successes, counted), "outcomes": "".join(outcomes), "seed": seed}
     total = sum(r["successes"] for r in out.values())
     count = sum(r["episodes"] for r in out.values())
     return {"tasks": out, "success": total / count, "ci95": wilson(total, count), "policy_versions": sorted(versions),
             "wall_s": time.monotonic() - t0}
+
+
+def paired(before: dict, after: dict) -> dict:
+    """Two evaluations compared episode by episode on the tasks and seeds they share: episodes
+    gained (failed before, succeed after) and lost, and the exact two-sided McNemar p-value of
+    that split (the chance of one at least this lopsided if neither policy were better)."""
+    gained = lost = shared = 0
+    for task, b in before["tasks"].items():
+        a = after["tasks"].get(task)
+        if a is None or "outcomes" not in a or "outcomes" not in b or a.get("seed") != b.get("seed"):
+            continue
+        for x, y in zip(b["outcomes"], a["outcomes"]):
+            gained += x == "0" and y == "1"
+            lost += x == "1" and y == "0"
+            shared += 1
+    if shared == 0:
+        raise VlamuxError("paired: the two evaluations share no task evaluated on the same seeds")
+    return {"episodes": shared, "gained": gained, "lost": lost, "p_value": _mcnemar(gained, lost)}
+
+
+def _mcnemar(b: int, c: int) -> float:
+    """Exact two-sided McNemar test: the discordant pairs split as a fair coin would."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
