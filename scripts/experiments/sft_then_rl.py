@@ -19,6 +19,7 @@ path: a backbone forward every step, the Training and Inference Queues, the Envi
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -29,15 +30,19 @@ from vlamux.jobs.master import MasterService
 from vlamux.model import BackboneSpec
 from vlamux.services.queues import InferenceQueueConfig
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
+from vlamux.workflows.evaluate import paired
 
 HEAD = {"kind": "gaussian", "action_dim": 4, "horizon": 8, "state_dim": 8}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("sft", "rl"))
+    ap.add_argument("what", choices=("sft", "rl", "eval"))
     ap.add_argument("--dataset", default="data/sft_probe/goal-red-200-32")
-    ap.add_argument("--init", default=None, help="rl: the slot file to start from (tenant 'g')")
+    ap.add_argument("--init", default=None, help="rl, eval: the slot file to start from (tenant 'g')")
+    ap.add_argument("--compare", default=None,
+                    help="a result.json evaluated on the same seeds: compare its last evaluation with this "
+                         "job's, episode by episode (gained, lost, McNemar p)")
     ap.add_argument("--steps", type=int, default=2000, help="sft steps")
     ap.add_argument("--algorithm", default="grpo")
     ap.add_argument("--env-steps", type=int, default=20000)
@@ -82,6 +87,9 @@ def main(argv=None) -> int:
         spec["sft"] = {"dataset": args.dataset, "steps": args.steps, "batch_size": 64, "lr": 1e-3,
                        "schedule": "cosine", "warmup_steps": 100}
         spec["rl"] = {**rl, "env_steps": 0}
+    elif args.what == "eval":
+        spec.update({"kind": "eval", "init_from": args.init})
+        del spec["rl"]
     else:
         spec["init_from"] = args.init
     rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset="tiny", weights=args.weights),
@@ -101,6 +109,11 @@ def main(argv=None) -> int:
             if k in r:
                 lo, hi = r[k]["ci95"]
                 print(f"{k:9s} success {r[k]['success']:.2f} [{lo:.2f}, {hi:.2f}] over {list(r[k]['tasks'])}")
+        if r.get("paired"):
+            print("paired:", r["paired"])
+        if args.compare:
+            other = json.loads(open(args.compare).read())
+            print(f"paired with {args.compare}:", paired(other["after"], r["after"]))
         if r.get("rl"):
             print("rl:", {k: v for k, v in r["rl"].items() if k not in ("curve", "lane_busy_s", "approx_kl", "clip_frac")})
     finally:
