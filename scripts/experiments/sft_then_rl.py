@@ -14,6 +14,19 @@ path: a backbone forward every step, the Training and Inference Queues, the Envi
         --workdir runs/spatial
     python scripts/experiments/sft_then_rl.py rl $S --init runs/spatial/sft/checkpoint.safetensors \\
         --task spatial/lift-left-cube --workdir runs/spatial
+
+    # The spatial record of docs/RESULTS.md (92% -> 96%): SFT on DART demonstrations, then PPO on all
+    # 4 tasks with the dense reward, whole episodes per update (sync), twice 400k env steps
+    python -m vlamux.data.demos --suite spatial --episodes 300 --image-size 32 --noise 0.5 \
+        --out data/sft_probe/spatial4-300-32-n05
+    python scripts/experiments/sft_then_rl.py sft $S --dataset data/sft_probe/spatial4-300-32-n05 --steps 4000 \
+        --episodes 400 --workdir runs/spatial-dart
+    python scripts/experiments/sft_then_rl.py rl $S --init runs/spatial-dart/sft/checkpoint.safetensors \
+        --task spatial --episodes 400 --reward dense --algorithm ppo --mode sync --n-envs 16 --segment-steps 30 \
+        --critic-warmup 5 --lr 3e-5 --epochs 4 --env-steps 400000 --workdir runs/dart-ppo-sync
+    # evaluate any checkpoint on the same seeds and pair it with another evaluation
+    python scripts/experiments/sft_then_rl.py eval $S --init runs/dart-ppo-sync/rl/checkpoint.safetensors \
+        --episodes 400 --workdir runs/eval --compare runs/spatial-dart/sft/result.json
 """
 
 from __future__ import annotations
