@@ -171,9 +171,9 @@ class TabletopEnv(gym.Env):
         return False
 
     def progress(self) -> float:
-        """How far the task has got, in [0, 1): the dense reward's potential. Reaching the target
-        (fingers around it) is half of it; for a lift, a grip and the height add the rest, for a
-        push the object's distance to the zone."""
+        """How far the task has got, in [0, 1): the dense reward's potential. For a touch it is the
+        fingers' closeness to the target; for a lift that is under half, and a grip and the height
+        add the rest; for a push, the object's closeness to the zone is the other half."""
         goal, i = self.task.goal, self.target
         obj = self.object_pos(i)
         between = (self.data.geom_xpos[self._gid["finger_l"]] + self.data.geom_xpos[self._gid["finger_r"]]) / 2
