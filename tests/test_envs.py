@@ -93,9 +93,8 @@ class Towards:
         self.i = i
 
     def act(self, env):
-        between = (env.data.geom_xpos[env._gid["finger_l"]] + env.data.geom_xpos[env._gid["finger_r"]]) / 2
         aim = env.object_pos(self.i) + np.array([0.0, 0.0, 0.04])  # stop short of the cube: no touch
-        return np.append(np.clip((aim - between) / 0.03, -1, 1), -1.0)
+        return np.append(np.clip((aim - env.fingers_centre()) / 0.03, -1, 1), -1.0)
 
 
 @pytest.mark.parametrize("task", ["spatial/touch-left-cube", "spatial/lift-right-cube",

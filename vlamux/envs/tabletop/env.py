@@ -158,6 +158,10 @@ class TabletopEnv(gym.Env):
     def object_pos(self, i: int) -> np.ndarray:
         return self.data.xpos[mujoco.mj_name2id(self.model, mujoco.mjtObj.mjOBJ_BODY, f"obj{i}")].copy()
 
+    def fingers_centre(self) -> np.ndarray:
+        """The point between the two fingers: where a grasped object sits."""
+        return (self.data.geom_xpos[self._gid["finger_l"]] + self.data.geom_xpos[self._gid["finger_r"]]) / 2
+
     def finger_gap(self) -> float:
         return 0.06 - float(self.data.qpos[3] + self.data.qpos[4])
 
@@ -176,8 +180,7 @@ class TabletopEnv(gym.Env):
         add the rest; for a push, the object's closeness to the zone is the other half."""
         goal, i = self.task.goal, self.target
         obj = self.object_pos(i)
-        between = (self.data.geom_xpos[self._gid["finger_l"]] + self.data.geom_xpos[self._gid["finger_r"]]) / 2
-        reach = 1.0 - np.tanh(5.0 * np.linalg.norm(between - obj))
+        reach = 1.0 - np.tanh(5.0 * np.linalg.norm(self.fingers_centre() - obj))
         if goal == "touch":
             return 0.9 * reach
         if goal == "lift":
