@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -72,26 +73,46 @@ def client_loop(url: str, key: str, seconds: float, seed: int, out: dict) -> Non
     out[seed] = (lat, errors)
 
 
+def _placement(url: str, admin_key: str) -> dict:
+    """Where the server's model services run, as its /metrics says."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30).text
+    out = {}
+    for labels in re.findall(r"^vlamux_service_placement\{([^}]*)\}", text, re.M):
+        kv = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        out[kv["service"]] = {"device": kv["device"], "dtype": kv["dtype"]}
+    return out
+
+
 def main(argv=None) -> int:
+    from vlamux.model.device import add_device_arguments, parse_device_arguments
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="8 clients for 8 s")
     ap.add_argument("--clients", type=int, default=None)
     ap.add_argument("--seconds", type=float, default=None)
     ap.add_argument("--out", default=None)
+    add_device_arguments(ap)
     args = ap.parse_args(argv)
+    device, dtype = parse_device_arguments(ap, args)  # checked here, used by the server process
     clients = args.clients or (8 if args.quick else 32)
     seconds = args.seconds or (8.0 if args.quick else 30.0)
 
     from vlamux.api.server import spawn, stop
+    from vlamux.model.device import dtype_name
     from vlamux.sdk import Client
 
     data_dir = Path(tempfile.mkdtemp(prefix="vlamux-api-load-"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     print(f"api load: {clients} tenants' clients for {seconds:.0f}s against {url}", flush=True)
-    proc = spawn(data_dir, port, extra_args=("--log-level", "warning"))
+    proc = spawn(data_dir, port, extra_args=("--log-level", "warning", "--device", str(device),
+                                             "--dtype", dtype_name(dtype)))
     try:
-        admin = Client(url, (data_dir / "admin.key").read_text().strip())
+        admin_key = (data_dir / "admin.key").read_text().strip()
+        admin = Client(url, admin_key)
+        placement = _placement(url, admin_key)
         keys = []
         for i in range(clients):
             _, key = admin.admin.create_tenant(f"load-{i}", quotas={"requests_per_s": 1000.0, "max_env_sessions": 1})
@@ -121,7 +142,7 @@ def main(argv=None) -> int:
         "errors": len(errors), "error_samples": errors[:10],
         "per_kind": {k: {"requests": len(v), "p50_ms": 1e3 * float(np.percentile(v, 50)),
                          "p99_ms": 1e3 * float(np.percentile(v, 99))} for k, v in per_kind.items() if v},
-        "environment": environment("cpu"), "cpus": os.cpu_count(),
+        "environment": environment(device, dtype), "cpus": os.cpu_count(), "placement": placement,
     }
     print(f"{n} requests in {wall:.1f}s: {payload['requests_per_s']:.1f} req/s, p50 {payload['p50_ms']:.1f} ms, "
           f"p99 {payload['p99_ms']:.1f} ms, errors {len(errors)}")

@@ -30,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 ROOT = Path(__file__).resolve().parent.parent
 
-from common import cpu_seconds, environment, print_table, write_json  # noqa: E402
+from common import PoolSampler, cpu_seconds, environment, print_table, write_json  # noqa: E402
 from vlamux.envs import EnvSpec  # noqa: E402
 from vlamux.model import BackboneSpec, HeadSpec, OptimizerSpec  # noqa: E402
+from vlamux.model.device import add_device_arguments, dtype_name, parse_device_arguments  # noqa: E402
 from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig  # noqa: E402
 from vlamux.workflows.evaluate import wilson  # noqa: E402
@@ -48,11 +49,12 @@ def lane_counters(rt: EmbeddedRuntime) -> dict:
             "distribution": getattr(rt.publisher, "busy_s", 0.0)}
 
 
-def make_runtime(kind: str, preset: str, batch_rows: int, threads: int):
+def make_runtime(kind: str, preset: str, batch_rows: int, threads: int, device: str = "auto", dtype: str = "auto"):
     """The services in this process (embedded), or as Ray actors in processes of their own."""
     queue = InferenceQueueConfig(batch_rows=batch_rows, max_wait_s=0.005)
+    place = {"backbone": BackboneSpec(preset=preset), "device": device, "dtype": dtype}
     if kind == "embedded":
-        return EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset=preset), inference_queue=queue)).start()
+        return EmbeddedRuntime(RuntimeConfig(**place, inference_queue=queue)).start()
     import ray
 
     from vlamux.services.ray_facade import RayServices
@@ -60,7 +62,7 @@ def make_runtime(kind: str, preset: str, batch_rows: int, threads: int):
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(include_dashboard=False, log_to_driver=False)
-    return RayServices(RayRuntime(RayRuntimeConfig(backbone=BackboneSpec(preset=preset), inference_queue=queue,
+    return RayServices(RayRuntime(RayRuntimeConfig(**place, inference_queue=queue,
                                                    torch_threads=threads)).start())
 
 
@@ -165,7 +167,9 @@ def main(argv=None) -> int:
     ap.add_argument("--runtime", choices=("embedded", "ray"), default="embedded",
                     help="ray: the services as Ray actors, each in a process of its own (no shared GIL)")
     ap.add_argument("--out", default=None)
+    add_device_arguments(ap)
     args = ap.parse_args(argv)
+    device, dtype = parse_device_arguments(ap, args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.switch_interval_ms:
@@ -178,10 +182,13 @@ def main(argv=None) -> int:
                    max_staleness=2, minibatch_rows=32)
     if args.warm_start:  # the gentle settings that keep a cloned policy (docs/RESULTS.md, RL from SFT)
         cfg = RLConfig(**{**cfg.__dict__, "lr": 3e-5, "epochs": 2, "critic_warmup": 30, "max_staleness": 4})
-    rt = make_runtime(args.runtime, args.preset, args.batch_rows or args.n_envs, args.threads)
+    rt = make_runtime(args.runtime, args.preset, args.batch_rows or args.n_envs, args.threads, str(device),
+                      dtype_name(dtype))
     tenants = [f"tenant{i}" for i in range(args.tenants)]
+    placement = {k: rt.metrics()["training"][k] for k in ("device", "dtype")}  # as the services run
     print(f"async RL: preset={args.preset}, {args.tenants} tenants x {steps} env steps, {env.task} at {image}px, "
-          f"{cfg.sub_batches} sub-batches x {cfg.n_envs} envs, threads={torch.get_num_threads()}", flush=True)
+          f"{cfg.sub_batches} sub-batches x {cfg.n_envs} envs, threads={torch.get_num_threads()}, "
+          f"model services on {device} ({dtype_name(dtype)})", flush=True)
     try:
         warm = None
         if args.warm_start:
@@ -192,10 +199,11 @@ def main(argv=None) -> int:
             for t in tenants:
                 warm_start(rt, head, t, image, args.warm_start, args.warm_demos, warm[t])
         results = {}
-        for mode in ("sync", "async"):
-            results[mode] = r = run_mode(rt, mode, tenants, head, cfg, warm)
-            print(f"  {mode:5s}: {r['steps_per_s']:7.1f} env steps/s over {r['wall_s']:.1f}s; lanes busy "
-                  + ", ".join(f"{k} {v:.1f}s" for k, v in r["lane_busy_s"].items()), flush=True)
+        with PoolSampler(device) as pools:
+            for mode in ("sync", "async"):
+                results[mode] = r = run_mode(rt, mode, tenants, head, cfg, warm)
+                print(f"  {mode:5s}: {r['steps_per_s']:7.1f} env steps/s over {r['wall_s']:.1f}s; lanes busy "
+                      + ", ".join(f"{k} {v:.1f}s" for k, v in r["lane_busy_s"].items()), flush=True)
     finally:
         rt.stop()
         if args.runtime == "ray":
@@ -234,7 +242,7 @@ def main(argv=None) -> int:
                           "segment_steps": cfg.segment_steps, "max_staleness": cfg.max_staleness,
                           "warm_start_steps": args.warm_start, "lr": cfg.lr or cfg_lr, "epochs": cfg.epochs,
                           "runtime": args.runtime},
-               "environment": environment("cpu")}
+               "environment": environment(device, dtype), "memory": pools.last, "placement": placement}
     path = write_json("async_rl_quick.json" if args.quick else "async_rl.json", payload, args.out)
     print(f"wrote {path}")
     return 0

@@ -14,8 +14,9 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
+def sync(device) -> None:
+    # a benchmark's contender is timed whole: here a device-wide wait is the point
+    if str(device).startswith("cuda"):
         torch.cuda.synchronize()
 
 
@@ -52,11 +53,13 @@ def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(c, widths)))
 
 
-def environment(device: str) -> dict:
-    env = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
+def environment(device, dtype: torch.dtype | None = None) -> dict:
+    env = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads(),
            "machine": platform.machine(), "processor": platform.processor() or platform.machine()}
-    if device.startswith("cuda"):
-        env["gpu"] = torch.cuda.get_device_name()
+    if dtype is not None:
+        env["dtype"] = str(dtype).removeprefix("torch.")
+    if str(device).startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return env
 
 
@@ -73,3 +76,48 @@ def cpu_seconds() -> float:
 
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def parse_grid(text: str) -> list[tuple[int, int]]:
+    """"1:1,8:1" -> [(1, 1), (8, 1)]: the (tenants, local batch) cells to run."""
+    cells = []
+    for part in text.split(","):
+        try:
+            n, b = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise SystemExit(f"--grid: expected N:b pairs separated by commas, got {part!r}") from None
+        if n < 1 or b < 1:
+            raise SystemExit(f"--grid: N and b must be >= 1, got {part!r}")
+        cells.append((n, b))
+    return cells
+
+
+class PoolSampler:
+    """Samples a device's memory pools (vlamux.model.memory) on a thread while a benchmark runs, so
+    the result can report each pool's peak; a no-op on a CPU. Use as a context manager."""
+
+    def __init__(self, device, every_s: float = 0.1):
+        import threading
+
+        from vlamux.model.memory import memory_pools
+
+        self.pools = memory_pools(device)
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.last: dict = {}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.last = self.pools.stats()
+
+    def __enter__(self) -> "PoolSampler":
+        if str(self.pools.device).startswith("cuda"):
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5)
+        self.last = self.pools.stats()

@@ -35,9 +35,10 @@ def installed(backend: str) -> bool:
     return backend not in EXTRAS or importlib.util.find_spec(EXTRAS[backend]) is not None
 
 
-def measure(spec: EnvSpec, workers: int, envs_per_worker: int, seconds: float) -> float:
+def measure(spec: EnvSpec, workers: int, envs_per_worker: int, seconds: float, render_device: int | None = None
+            ) -> float:
     n = workers * envs_per_worker
-    with VectorEnv(spec, n_envs=n, n_workers=workers) as vec:
+    with VectorEnv(spec, n_envs=n, n_workers=workers, render_device=render_device) as vec:
         obs, _ = vec.reset(seed=0)
         dim = vec.action_dim
         rng = np.random.default_rng(0)
@@ -57,6 +58,10 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=10.0, help="measuring time per cell")
     ap.add_argument("--quick", action="store_true", help="2 s per cell")
     ap.add_argument("--envs-per-worker", type=int, default=2)
+    # No model runs here, so there is no --device/--dtype: the one device choice is where EGL renders.
+    ap.add_argument("--render-device", type=int, default=None, metavar="GPU",
+                    help="GPU index MuJoCo renders on with EGL (MUJOCO_EGL_DEVICE_ID; ignored under OSMesa)")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     seconds = 2.0 if args.quick else args.seconds
     rows = []
@@ -65,13 +70,13 @@ def main(argv=None) -> int:
             print(f"  {backend}: not installed, skipped")
             continue
         for workers in (1, 2):
-            sps = measure(spec, workers, args.envs_per_worker, seconds)
+            sps = measure(spec, workers, args.envs_per_worker, seconds, args.render_device)
             rows.append({"backend": backend, "workers": workers, "steps_per_s": sps,
                          "image_size": spec.image_size, "cameras": len(spec.cameras)})
             print(f"  {backend} workers={workers}: {sps:.0f} rendered steps/s", flush=True)
     print()
     print_table(rows, [("backend", "s"), ("workers", "d"), ("steps_per_s", ".0f")])
-    path = write_json("env_throughput_quick.json" if args.quick else "env_throughput.json", rows)
+    path = write_json("env_throughput_quick.json" if args.quick else "env_throughput.json", rows, args.out)
     print(f"wrote {path}")
     return 0
 

@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, interleaved_medians, print_table, write_json  # noqa: E402
+from common import environment, interleaved_medians, parse_grid, print_table, write_json  # noqa: E402
 
 from vlamux.model import (BackboneSpec, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec,
                           Sample, build_backbone, canonicalize)
+from vlamux.model.device import add_device_arguments, parse_device_arguments
 from vlamux.synthetic import TaskProfile, make_batch
 
 HEAD_KINDS = ["l1_chunk", "flow", "gaussian", "bins"]
@@ -69,7 +70,8 @@ def measure_cell(backbone, n: int, b: int, mode: str, repeats: int, min_seconds:
             return results
         return go
 
-    canon = [canonicalize(obs, backbone.schema, backbone.tokenizer, backbone.device) for _, obs, _ in data]
+    canon = [canonicalize(obs, backbone.schema, backbone.tokenizer, backbone.device, backbone.dtype)
+             for _, obs, _ in data]
 
     @torch.no_grad()
     def raw_separate():
@@ -100,22 +102,29 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="reduced grid (includes N=8, b=1), under a minute")
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_device_arguments(ap)
+    ap.add_argument("--grid", default=None, metavar="N:b,...", help="cells to run, e.g. 1:1,8:1 (default: the "
+                                                                      "full grid, or the quick one)")
     ap.add_argument("--repeats", type=int, default=None, help="timed runs per contender (median is reported)")
+    ap.add_argument("--min-seconds", type=float, default=None,
+                    help="time each contender at least this long per cell (default 1.5; --quick 0.5)")
     ap.add_argument("--out", default=None, help="result file (default bench/results/group_batching[_quick].json)")
     args = ap.parse_args(argv)
+    device, dtype = parse_device_arguments(ap, args)
 
-    grid = QUICK_GRID if args.quick else FULL_GRID
+    grid = parse_grid(args.grid) if args.grid else QUICK_GRID if args.quick else FULL_GRID
     repeats = args.repeats or (3 if args.quick else 5)
-    backbone = build_backbone(BackboneSpec(preset=args.preset), device=args.device)
-    env = environment(args.device)
+    backbone = build_backbone(BackboneSpec(preset=args.preset), device=device, dtype=dtype)
+    env = environment(backbone.device, backbone.dtype)  # as built, not as asked
     print(f"group batching: preset={args.preset} ({backbone.num_parameters() / 1e6:.1f}M params), "
-          f"device={args.device}, threads={env['threads']}, repeats={repeats}, cells={len(grid) * 2}", flush=True)
+          f"device={device}, dtype={env['dtype']}, threads={env['threads']}, repeats={repeats}, "
+          f"cells={len(grid) * 2}", flush=True)
     cells = []
     for mode in ("inference", "train"):
         for n, b in grid:
-            cell = measure_cell(backbone, n, b, mode, repeats, 0.5 if args.quick else 1.5, args.device)
-            cell.update(preset=args.preset, device=args.device)
+            min_s = args.min_seconds if args.min_seconds is not None else 0.5 if args.quick else 1.5
+            cell = measure_cell(backbone, n, b, mode, repeats, min_s, str(device))
+            cell.update(preset=args.preset, device=str(device), dtype=env["dtype"])
             cells.append(cell)
             print(f"  {mode:9s} N={n} b={b}: speedup {cell['speedup']:.2f}x, limit {cell['limit_speedup']:.2f}x",
                   flush=True)

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, interleaved_medians, print_table, write_json  # noqa: E402
 
 from vlamux.model import BackboneSpec, HeadSpec, Result, Sample, build_backbone  # noqa: E402
+from vlamux.model.device import Lane, add_device_arguments, parse_device_arguments  # noqa: E402
 from vlamux.model.slot import Slot  # noqa: E402
 from vlamux.services.inference import InferenceModelService  # noqa: E402
 from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
@@ -98,7 +99,8 @@ def limit(backbone, population, repeats: int) -> tuple[float, float, float]:
     reqs = [Sample(s.tenant, o) for s, o in population]
     runner.execute(reqs)
     t = interleaved_medians({"grouped": lambda: runner.execute(reqs, grouped=True),
-                             "serial": lambda: runner.execute(reqs, grouped=False)}, repeats, "cpu", 1.0)
+                             "serial": lambda: runner.execute(reqs, grouped=False)}, repeats,
+                            str(backbone.device), 1.0)
     return t["serial"] / t["grouped"], t["grouped"], t["serial"]
 
 
@@ -106,6 +108,7 @@ class _NoopRunner:
     """Stands in for the model in the scheduler-overhead measurement: returns at once."""
 
     slots: dict = {}
+    lane = Lane()  # the CPU's: no stream to enter
 
     def execute(self, reqs):
         return [Result(r.tenant, {"actions": None, "policy_version": 0}) for r in reqs]
@@ -134,17 +137,21 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default=None)
     ap.add_argument("--seconds", type=float, default=None, help="measuring time per (K, mode)")
     ap.add_argument("--max-wait-ms", type=float, default=20.0, help="T of the grouped mode")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--sessions", default="1,8,32", help="K values, comma-separated")
+    ap.add_argument("--out", default=None)
+    add_device_arguments(ap)
     args = ap.parse_args(argv)
+    device, dtype = parse_device_arguments(ap, args)
     preset = args.preset or ("tiny" if args.quick else "small")
     seconds = args.seconds or (3.0 if args.quick else 12.0)
     T = args.max_wait_ms / 1e3
-    backbone = build_backbone(BackboneSpec(preset=preset), device=args.device)
-    env = environment(args.device)
-    print(f"inference serving: preset={preset}, device={args.device}, threads={env['threads']}, "
+    backbone = build_backbone(BackboneSpec(preset=preset), device=device, dtype=dtype)
+    env = environment(backbone.device, backbone.dtype)  # as built, not as asked
+    print(f"inference serving: preset={preset}, device={device}, dtype={env['dtype']}, threads={env['threads']}, "
           f"{seconds:.0f}s per cell, T={args.max_wait_ms}ms", flush=True)
     rows, limits = [], {}
-    for k in (1, 8, 32):
+    ks = [int(k) for k in args.sessions.split(",")]
+    for k in ks:
         population = tenants(k, backbone)
         speedup, grouped_s, serial_s = limit(backbone, population, repeats=3)
         limits[k] = {"sessions": k, "limit_speedup": speedup, "grouped_forward_ms": grouped_s * 1e3,
@@ -158,19 +165,20 @@ def main(argv=None) -> int:
     print()
     print_table(rows, [("sessions", "d"), ("mode", "s"), ("requests_per_s", ".1f"), ("p50_ms", ".1f"),
                        ("p99_ms", ".1f"), ("group_rows_mean", ".1f")])
-    k = 32
+    k = max(ks)
     base = next(r for r in rows if r["sessions"] == k and r["mode"] == "baseline")
     grp = next(r for r in rows if r["sessions"] == k and r["mode"] == "grouped")
     ratio = grp["requests_per_s"] / (limits[k]["limit_speedup"] * base["requests_per_s"])
     p99_bound = args.max_wait_ms + 2 * limits[k]["grouped_forward_ms"]
-    summary = {"throughput_vs_limit_at_32": ratio, "p99_ms_at_32": grp["p99_ms"], "p99_bound_ms": p99_bound,
+    summary = {f"throughput_vs_limit_at_{k}": ratio, f"p99_ms_at_{k}": grp["p99_ms"], "p99_bound_ms": p99_bound,
                "scheduler_overhead_us": overhead}
-    print(f"\nK=32: grouped throughput = {ratio:.2f} x (limit_speedup x baseline) (target >= 0.90); "
+    print(f"\nK={k}: grouped throughput = {ratio:.2f} x (limit_speedup x baseline) (target >= 0.90); "
           f"p99 {grp['p99_ms']:.0f} ms vs bound T + 2 x grouped forward = {p99_bound:.0f} ms")
     print(f"scheduler overhead with a no-op model: {overhead:.0f} us per request (target <= 200)")
     out = write_json("inference_serving_quick.json" if args.quick else "inference_serving.json",
                      {"cells": rows, "limits": list(limits.values()), "summary": summary,
-                      "config": {"preset": preset, "max_wait_ms": args.max_wait_ms, "seconds": seconds, **env}})
+                      "config": {"preset": preset, "max_wait_ms": args.max_wait_ms, "seconds": seconds, **env}},
+                     args.out)
     print(f"wrote {out}")
     return 0
 

@@ -21,37 +21,46 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import cpu_seconds, environment, print_table, write_json  # noqa: E402
+from common import PoolSampler, cpu_seconds, environment, print_table, write_json  # noqa: E402
 from vlamux.experiments.multi_tenant import Budget, ensure_demos, job_specs, run  # noqa: E402
+from vlamux.model.device import add_device_arguments, dtype_name, parse_device_arguments  # noqa: E402
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a tiny budget: under a minute")
     ap.add_argument("--data", default="data/demos")
-    ap.add_argument("--sft-steps", type=int, default=600)
-    ap.add_argument("--warm-start-steps", type=int, default=100, help="each RL tenant's SFT before RL")
-    ap.add_argument("--rl-env-steps", type=int, default=8000)
+    ap.add_argument("--sft-steps", type=int, default=None, help="default 600 (--quick: the quick budget's)")
+    ap.add_argument("--warm-start-steps", type=int, default=None, help="each RL tenant's SFT before RL (default 100)")
+    ap.add_argument("--rl-env-steps", type=int, default=None, help="default 8000")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per op, the same in both modes")
+    ap.add_argument("--demos", type=int, default=None, help="scripted episodes in the SFT dataset")
+    ap.add_argument("--demo-cameras", choices=("video", "image"), default="video",
+                    help="dataset frames as mp4 (needs PyAV) or PNG")
     ap.add_argument("--out", default=None)
+    add_device_arguments(ap)
     args = ap.parse_args(argv)
+    device, dtype = parse_device_arguments(ap, args)
     import torch
 
     torch.set_num_threads(args.threads)
     # RL-heavy, like the paper's workload: RL tenants mostly simulate, SFT mostly trains
-    budget = Budget.quick() if args.quick else dataclasses.replace(Budget(), sft_steps=args.sft_steps,
-                                                                    warm_start_steps=args.warm_start_steps,
-                                                                    rl_env_steps=args.rl_env_steps)
+    budget = Budget.quick() if args.quick else dataclasses.replace(Budget(), sft_steps=600, warm_start_steps=100,
+                                                                    rl_env_steps=8000)
+    given = {"sft_steps": args.sft_steps, "warm_start_steps": args.warm_start_steps,
+             "rl_env_steps": args.rl_env_steps, "demos": args.demos}
+    budget = dataclasses.replace(budget, demo_cameras=args.demo_cameras,
+                                 **{k: v for k, v in given.items() if v is not None})
     dataset = ensure_demos(budget, args.data)
     specs = [{**s, "eval": None} for s in job_specs(budget, dataset)]
     print(f"multi-tenant workload: {len(specs)} tenants ({', '.join(s['tenant'] for s in specs)}); "
           f"SFT {budget.sft_steps} steps, RL warm start {budget.warm_start_steps} steps + {budget.rl_env_steps} "
-          f"env steps each", flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
+          f"env steps each; model services on {device} ({dtype_name(dtype)})", flush=True)
+    with tempfile.TemporaryDirectory() as tmp, PoolSampler(device) as pools:
         rows = {}
         for mode in ("isolated", "multi"):
             cpu0 = cpu_seconds()
-            r = run(specs, mode, tmp)
+            r = run(specs, mode, tmp, device=str(device), dtype=dtype_name(dtype))
             r["cpu_util"] = (cpu_seconds() - cpu0) / (r["elapsed_s"] * (os.cpu_count() or 1))
             rows[mode] = r
             print(f"  {mode:8s}: wall {r['wall_s']:6.1f}s  training util {r['train_util']:.1%}  "
@@ -72,7 +81,8 @@ def main(argv=None) -> int:
                "train_util_ratio": train_ratio, "cpu_util_isolated": iso["cpu_util"], "cpu_util_multi": multi["cpu_util"],
                "per_job": {m: {n: {k: v for k, v in j.items() if k in ("wall_s", "policy_version")}
                                for n, j in r["jobs"].items()} for m, r in rows.items()},
-               "budget": dataclasses.asdict(budget), "environment": environment("cpu")}
+               "budget": dataclasses.asdict(budget), "environment": environment(device, dtype), "memory": pools.last,
+               "placement": {"device": multi["device"], "dtype": multi["dtype"]}}  # as the services ran
     path = write_json("multi_tenant_quick.json" if args.quick else "multi_tenant.json", payload, args.out)
     print(f"wrote {path}")
     return 0

@@ -16,6 +16,15 @@ TENANTS = {
 }
 
 
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (scripts/device_check.py runs these on a GPU)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def backbone():
     return build_backbone(BackboneSpec(preset="tiny", seed=0))

@@ -104,7 +104,9 @@ def test_bad_input_fails_only_that_request(backbone):
     reqs = [ForwardBackward("acme", *data["acme"]), ForwardBackward("cobalt", data["cobalt"][0], bad_actions),
             ForwardBackward("nobody", *data["acme"]), ForwardBackward("delta", *data["delta"])]
     res = runner.execute(reqs)
-    assert res[0].ok and res[3].ok and res[0].group_size == 3
+    # refused on the host before the group forms (checking a device tensor would wait for the device),
+    # so it costs the group nothing
+    assert res[0].ok and res[3].ok and res[0].group_size == 2
     assert isinstance(res[1].error, InvalidInputError) and "actions" in str(res[1].error)
     assert "nobody" in str(res[2].error)
 

@@ -113,6 +113,15 @@ def main(ctx: click.Context, url: str, key: str | None, timeout: float, max_retr
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/service"),
               show_default=True, help="Store, datasets, checkpoints.")
 @click.option("--backbone", default="tiny", show_default=True, help="Backbone preset.")
+@click.option("--device", default="auto", show_default=True,
+              help="Where the model services run: auto (CUDA when present), cpu, cuda, cuda:N.")
+@click.option("--dtype", default="auto", show_default=True,
+              help="Backbone precision: auto (bfloat16 on CUDA, float32 on a CPU), float32, bfloat16.")
+@click.option("--training-device", default=None, help="The Training Model Service's device (default: --device).")
+@click.option("--inference-devices", default=None, metavar="DEV[,DEV...]",
+              help="Inference replicas' devices, replica i on the i-th (cycled; default: --device).")
+@click.option("--inference-replicas", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Inference Model Service replicas.")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="Place the services on this Ray cluster ('auto', 'ray://host:10001'; 'local' starts one in-process).")
 @click.option("--store-url", default=None, help="SQLAlchemy URL of the store (default: sqlite in --data-dir).")
@@ -121,15 +130,37 @@ def main(ctx: click.Context, url: str, key: str | None, timeout: float, max_retr
 @click.option("--max-body-mb", type=float, default=64.0, show_default=True, help="Largest request body.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
-def serve(host, port, data_dir, backbone, ray_address, store_url, admin_key, max_body_mb, log_level) -> None:
+def serve(host, port, data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
+          ray_address, store_url, admin_key, max_body_mb, log_level) -> None:
     """Run the services and the HTTP API until interrupted (embedded runtime unless --ray)."""
-    from vlamux.api.host import ServiceConfig
+    config = serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
+                          ray_address, store_url, max_body_mb)
     from vlamux.api.server import serve as run
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    config = ServiceConfig(data_dir=data_dir, store_url=store_url, backbone=backbone, ray_address=ray_address,
-                           max_body_mb=max_body_mb)
     run(host, port, config, admin_key=admin_key, log_level=log_level)
+
+
+def serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
+                 ray_address, store_url, max_body_mb):
+    """`vlamux serve`'s options as a ServiceConfig; a device or dtype this machine cannot run is a usage
+    error now, not a failure after start-up (on Ray, devices are the actors' and checked there)."""
+    from vlamux.api.host import ServiceConfig
+    from vlamux.model.device import resolve_device, resolve_dtype
+
+    devices = tuple(d.strip() for d in inference_devices.split(",") if d.strip()) if inference_devices else ()
+    if not ray_address:
+        for opt, name in [("--device", device), ("--training-device", training_device)] + \
+                [("--inference-devices", d) for d in devices]:
+            if name is None:
+                continue
+            try:
+                resolve_dtype(dtype, resolve_device(name))
+            except ValueError as e:
+                raise click.BadParameter(str(e), param_hint=opt if "dtype" not in str(e) else "--dtype") from None
+    return ServiceConfig(data_dir=data_dir, store_url=store_url, backbone=backbone, device=device, dtype=dtype,
+                         training_device=training_device, inference_devices=devices,
+                         inference_replicas=inference_replicas, ray_address=ray_address, max_body_mb=max_body_mb)
 
 
 # ---- jobs --------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ through grouped forward_backward + optimizer steps; the demo prints
 per-tenant losses as they fall, each tenant's action error before and after
 training, and the time of grouped vs serial execution of the same steps.
 
-    python -m vlamux.demo [--steps 300] [--preset tiny] [--batch 16]
+    python -m vlamux.demo [--steps 300] [--preset tiny] [--batch 16] [--device auto] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 import torch
 
 from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone
+from vlamux.model.device import add_device_arguments, dtype_name, parse_device_arguments
 from vlamux.synthetic import TaskProfile, make_batch
 
 TENANTS = {
@@ -56,15 +57,17 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16, help="rows per tenant per step")
     ap.add_argument("--preset", default="tiny", help="built-in backbone preset: tiny, small, base")
     ap.add_argument("--timing-steps", type=int, default=6)
+    add_device_arguments(ap)
     args = ap.parse_args(argv)
+    device, dtype = parse_device_arguments(ap, args)
     torch.manual_seed(0)
 
-    backbone = build_backbone(BackboneSpec(preset=args.preset))
+    backbone = build_backbone(BackboneSpec(preset=args.preset), device=device, dtype=dtype)
     runner = ModelRunner(backbone)
     for i, (name, (spec, _)) in enumerate(TENANTS.items()):
         runner.create_slot(name, spec, OptimizerSpec(lr=1e-3 if spec.kind != "flow" else 5e-4), seed=i)
-    print(f"backbone {backbone.backbone_id}: {backbone.num_parameters() / 1e6:.2f}M frozen parameters, shared by "
-          f"{len(TENANTS)} tenants")
+    print(f"backbone {backbone.backbone_id}: {backbone.num_parameters() / 1e6:.2f}M frozen parameters on "
+          f"{backbone.device} ({dtype_name(backbone.dtype)}), shared by {len(TENANTS)} tenants")
     for name, (spec, prof) in TENANTS.items():
         cams = ", ".join(f"{c} {h}x{w}" for c, (h, w) in prof.cameras.items())
         print(f"  {name:13s} head={spec.kind:9s} actions {spec.horizon}x{spec.action_dim}  cameras: {cams}")

@@ -7,7 +7,7 @@ after on seeded episodes. The jobs run all at once (requests of different tenant
 forwards), then — unless --no-isolated — one after another, each with the services to itself, so
 the run ends with the time multi-tenancy saved.
 
-    python -m vlamux.main_job [--quick] [--no-isolated] [--workdir runs/main]
+    python -m vlamux.main_job [--quick] [--no-isolated] [--workdir runs/main] [--device auto] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from vlamux.experiments.multi_tenant import Budget, ensure_demos, job_specs, run
+from vlamux.model.device import add_device_arguments, dtype_name, parse_device_arguments
 
 
 def _line(jobs, t0: float) -> str:
@@ -63,7 +64,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="runs/main")
     ap.add_argument("--data", default="data/demos")
     ap.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
+    add_device_arguments(ap)
     args = ap.parse_args(argv)
+    device, dtype = parse_device_arguments(ap, args)
     budget = Budget.quick() if args.quick else Budget()
     workdir = Path(args.workdir)
     if workdir.exists():  # a fresh experiment (jobs would otherwise resume from these checkpoints)
@@ -72,17 +75,19 @@ def main(argv=None) -> int:
     print(f"demonstrations: {budget.demos} scripted episodes of the built-in suite ...", flush=True)
     dataset = ensure_demos(budget, args.data)
     specs = job_specs(budget, dataset)
-    print(f"\n{len(specs)} tenants on one shared frozen backbone (tiny preset), embedded runtime:")
+    print(f"\n{len(specs)} tenants on one shared frozen backbone (tiny preset, {device}, {dtype_name(dtype)}), "
+          f"embedded runtime:")
     for s in specs:
         what = "SFT" if s["kind"] == "sft" else f"SFT warm start, then RL ({s['rl'].get('algorithm', 'ppo')})"
         print(f"  {s['tenant']:14s} head {s['head']['kind']:9s} {what}")
 
     print("\n== multi-tenant: all jobs at once ==", flush=True)
-    multi = run(specs, "multi", workdir, on_tick=_ticker(args.progress_every))
+    place = {"device": str(device), "dtype": dtype_name(dtype)}
+    multi = run(specs, "multi", workdir, on_tick=_ticker(args.progress_every), **place)
     isolated = None
     if not args.no_isolated:
         print("\n== isolated: the same jobs one after another, each with the services to itself ==", flush=True)
-        isolated = run(specs, "isolated", workdir, on_tick=_ticker(args.progress_every))
+        isolated = run(specs, "isolated", workdir, on_tick=_ticker(args.progress_every), **place)
 
     print("\nresults per tenant (success on seeded episodes, 95% CI):")
     for name, r in multi["jobs"].items():

@@ -53,6 +53,12 @@ class ServiceConfig:
     data_dir: Path = Path("data/service")
     store_url: str | None = None
     backbone: str = "tiny"
+    # Placement (RuntimeConfig's): "auto" is CUDA where present; dtype "auto": bf16 on CUDA, fp32 on a CPU.
+    device: str = "auto"
+    dtype: str = "auto"
+    training_device: str | None = None
+    inference_devices: tuple = ()
+    inference_replicas: int = 1
     ray_address: str | None = None  # None: the embedded runtime; "local": a Ray instance of its own
     max_body_mb: float = 64.0
     meter_every_s: float = 2.0
@@ -125,12 +131,19 @@ class ServiceHost:
                 self._own_ray = True
                 ray.init(address=None if self.config.ray_address == "local" else self.config.ray_address,
                          include_dashboard=False, log_to_driver=False)
-            return RayServices(RayRuntime(RayRuntimeConfig(backbone=BackboneSpec(preset=self.config.backbone),
-                                                           environment=env)).start())
+            return RayServices(RayRuntime(RayRuntimeConfig(**self._placement(), environment=env)).start())
         from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
 
-        return EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset=self.config.backbone),
-                                             environment=env)).start()
+        return EmbeddedRuntime(RuntimeConfig(**self._placement(), environment=env)).start()
+
+    def _placement(self) -> dict:
+        """The runtime's backbone and placement, as the service was configured."""
+        from vlamux.model import BackboneSpec
+
+        c = self.config
+        return {"backbone": BackboneSpec(preset=c.backbone), "device": c.device, "dtype": c.dtype,
+                "training_device": c.training_device, "inference_devices": tuple(c.inference_devices),
+                "inference_replicas": c.inference_replicas}
 
     def stop(self) -> None:
         if self.meter is not None:

@@ -24,6 +24,12 @@ class _Collector:
         busy = CounterMetricFamily("vlamux_service_busy_seconds", "Busy time (rate() of it is live utilisation)",
                                    labels=["service"])
         groups = CounterMetricFamily("vlamux_groups", "Groups executed", labels=["queue", "service"])
+        memory = GaugeMetricFamily("vlamux_device_memory_bytes", "Device memory by pool (model: weights, slots and "
+                                   "activations; rollout: data-plane inputs), reserved, allocated and peak "
+                                   "allocated; zero on a CPU", labels=["device", "pool", "kind"])
+        info = GaugeMetricFamily("vlamux_service_placement", "Where each model service runs (value 1)",
+                                 labels=["service", "device", "dtype", "fuse_heads"])
+        pools_seen = set()
         queues = [("training", "training", m["training"])] + [("inference", n, v) for n, v in m["inference"].items()]
         for queue, name, svc in queues:
             q = svc["queue"]
@@ -35,10 +41,18 @@ class _Collector:
             groups.add_metric([queue, name], q["groups"])
             util.add_metric([name], svc["utilization"])
             busy.add_metric([name], svc.get("busy_s", 0.0))
+            if "device" in svc:
+                info.add_metric([name, svc["device"], svc["dtype"], str(svc.get("fuse_heads", False)).lower()], 1)
+            mem, device = svc.get("memory"), svc.get("device", "cpu")
+            if mem and device not in pools_seen:  # services on one device share its pools
+                pools_seen.add(device)
+                for pool in ("model", "rollout"):
+                    for kind in ("reserved", "allocated", "peak_allocated"):
+                        memory.add_metric([device, pool, kind], mem[pool][f"{kind}_bytes"])
         env = m["environment"]
         util.add_metric(["environment"], env["utilization"])
         busy.add_metric(["environment"], env["busy_s"])
-        yield from (depth, wait, rows, reqs, util, busy, groups)
+        yield from (depth, wait, rows, reqs, util, busy, groups, memory, info)
         sessions = GaugeMetricFamily("vlamux_env_sessions", "Open simulator sessions")
         sessions.add_metric([], env["open_sessions"])
         yield sessions

@@ -28,10 +28,14 @@ from vlamux.data.lerobot import LeRobotWriter
 FPS = 10  # the tabletop control rate
 
 
-def features(image_size: int, cameras: tuple[str, ...]) -> dict:
+def features(image_size: int, cameras: tuple[str, ...], camera_dtype: str = "video") -> dict:
+    """The dataset's features; cameras as "video" (mp4, LeRobot's default) or "image" (PNG in the
+    parquet files: no video decoder needed to read them)."""
     from vlamux.envs.tabletop.env import ACTION_SPACE, STATE_NAMES
 
-    out = {f"observation.images.{c}": {"dtype": "video", "shape": [image_size, image_size, 3],
+    if camera_dtype not in ("video", "image"):
+        raise ValueError(f"camera_dtype: expected 'video' or 'image', got {camera_dtype!r}")
+    out = {f"observation.images.{c}": {"dtype": camera_dtype, "shape": [image_size, image_size, 3],
                                        "names": ["height", "width", "channels"]} for c in cameras}
     out["observation.state"] = {"dtype": "float32", "shape": [len(STATE_NAMES)], "names": list(STATE_NAMES)}
     out["action"] = {"dtype": "float32", "shape": [ACTION_SPACE.dim], "names": list(ACTION_SPACE.names)}
@@ -80,12 +84,12 @@ def _episodes(task: str, seeds: list[int], image_size: int, cameras: tuple[str, 
 
 def generate(tasks: list[str], episodes_per_task: int, out: str | Path, image_size: int = 128,
              cameras: tuple[str, ...] = ("agentview", "wrist"), seed: int = 0, workers: int = 2,
-             overwrite: bool = False, progress=print, noise: float = 0.0) -> dict:
+             overwrite: bool = False, progress=print, noise: float = 0.0, camera_dtype: str = "video") -> dict:
     """Write `episodes_per_task` successful expert episodes of each task to a LeRobot dataset at `out`."""
     t0 = time.perf_counter()
     kept, failed = 0, 0
     ctx = mp.get_context("spawn")
-    with LeRobotWriter(out, FPS, features(image_size, cameras), robot_type="vlamux-tabletop-cartesian",
+    with LeRobotWriter(out, FPS, features(image_size, cameras, camera_dtype), robot_type="vlamux-tabletop-cartesian",
                        overwrite=overwrite) as writer, \
             ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
         for t_i, task in enumerate(tasks):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import io
+import logging
 import os
 import sys
 import types
@@ -44,6 +45,8 @@ import numpy as np
 
 from vlamux.envs.base import ActionSpace, EnvSpec, observation_space
 from vlamux.envs.render import configure_gl
+
+log = logging.getLogger(__name__)
 
 SUITES = ("libero_spatial", "libero_object", "libero_goal", "libero_10", "libero_90")
 # Episode lengths LIBERO evaluations use (openvla / openpi); pass them as EnvSpec.max_steps.
@@ -122,6 +125,21 @@ def _quiet_robosuite() -> None:
         sys.modules["robosuite.macros_private"] = types.ModuleType("robosuite.macros_private")
 
 
+def _check_egl_device(backend: str) -> None:
+    """robosuite reads MUJOCO_EGL_DEVICE_ID (over its render_gpu_device_id argument) and, when
+    CUDA_VISIBLE_DEVICES is set, asserts at import that the device is among those: fail with a
+    message instead, or, where the backend is not EGL and the device is meaningless, drop it."""
+    device, visible = os.environ.get("MUJOCO_EGL_DEVICE_ID"), os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    if device is None or not visible or (device.isdigit() and device in visible):  # robosuite's own test
+        return
+    if backend != "egl":
+        log.debug("MUJOCO_EGL_DEVICE_ID=%s ignored: MUJOCO_GL=%s has no device choice", device, backend)
+        del os.environ["MUJOCO_EGL_DEVICE_ID"]
+        return
+    raise ValueError(f"MUJOCO_EGL_DEVICE_ID={device} (render_device) is not among CUDA_VISIBLE_DEVICES="
+                     f"{visible}; robosuite (LIBERO) only renders on a GPU that CUDA_VISIBLE_DEVICES lists")
+
+
 def setup_libero() -> dict[str, str]:
     """Prepare and import LIBERO without prompts or downloads; returns the paths written to its config.
 
@@ -131,7 +149,7 @@ def setup_libero() -> dict[str, str]:
     global _paths
     if _paths is not None:
         return _paths
-    configure_gl()  # before mujoco / robosuite are imported
+    _check_egl_device(configure_gl())  # before mujoco / robosuite are imported
     spec = importlib.util.find_spec("libero")
     if spec is None or not spec.submodule_search_locations:
         raise ImportError("LIBERO is not installed; " + INSTALL_HINT)

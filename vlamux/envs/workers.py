@@ -20,12 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from vlamux.envs.base import ActionSpace, EnvError, EnvSpec, EnvTimeoutError, EnvWorkerCrashed
+from vlamux.envs.render import configure_gl, gl_choice
 
 log = logging.getLogger(__name__)
 
 
-def _worker_main(conn, spec: EnvSpec, n_envs: int) -> None:
-    from vlamux.envs import make_env
+def _worker_main(conn, spec: EnvSpec, n_envs: int, render_device: int | None = None) -> None:
+    _configure_rendering(render_device)
+    from vlamux.envs import make_env  # after the GL backend and device are fixed: it may import mujoco
 
     try:
         envs = [make_env(spec) for _ in range(n_envs)]
@@ -45,6 +47,8 @@ def _worker_main(conn, spec: EnvSpec, n_envs: int) -> None:
                 conn.send(("ok", [_run_chunk(env, chunk) for env, chunk in zip(envs, payload)]))
             elif cmd == "ping":
                 conn.send(("ok", os.getpid()))
+            elif cmd == "render_info":
+                conn.send(("ok", {**gl_choice(), "egl_device": os.environ.get("MUJOCO_EGL_DEVICE_ID")}))
             elif cmd == "debug_sleep":  # lets tests make a worker hang the way a stuck renderer does
                 time.sleep(payload)
                 conn.send(("ok", None))
@@ -57,6 +61,24 @@ def _worker_main(conn, spec: EnvSpec, n_envs: int) -> None:
                 conn.send(("error", f"unknown command {cmd!r}"))
         except Exception:  # noqa: BLE001 - reported to the caller, the worker lives on
             conn.send(("error", traceback.format_exc()))
+
+
+def _configure_rendering(render_device: int | None) -> None:
+    """MuJoCo (and robosuite) read MUJOCO_EGL_DEVICE_ID when they make a GL context, so it is set
+    in this process's environment before either is imported."""
+    if render_device is not None:
+        os.environ["MUJOCO_EGL_DEVICE_ID"] = str(render_device)
+    backend = configure_gl()
+    if render_device is not None and backend != "egl":
+        log.debug("render_device %d recorded but unused: MUJOCO_GL=%s has no device choice", render_device, backend)
+
+
+def _check_device(render_device) -> int | None:
+    if render_device is None:
+        return None
+    if isinstance(render_device, bool) or not isinstance(render_device, (int, np.integer)) or render_device < 0:
+        raise ValueError(f"render_device: expected a non-negative GPU index or None, got {render_device!r}")
+    return int(render_device)
 
 
 def _run_chunk(env, chunk):
@@ -78,12 +100,18 @@ class _Worker:
 
 
 class VectorEnv:
-    """n sub-environments of one `EnvSpec`, spread over worker processes."""
+    """n sub-environments of one `EnvSpec`, spread over worker processes.
+
+    render_device: the GPU the workers' EGL renders on (their MUJOCO_EGL_DEVICE_ID; None: the
+    inherited one or MuJoCo's default). Ignored when the GL backend is not EGL.
+    """
 
     def __init__(self, spec: EnvSpec, n_envs: int, n_workers: int | None = None, timeout_s: float = 30.0,
-                 start_timeout_s: float = 120.0):
+                 start_timeout_s: float = 120.0, render_device: int | None = None):
         if n_envs < 1:
             raise ValueError(f"n_envs must be >= 1, got {n_envs}")
+        self.render_device = _check_device(render_device)
+        configure_gl()  # probed here once, so the workers inherit the choice instead of each probing
         self.spec, self.n_envs = spec, n_envs
         self.n_workers = max(1, min(n_envs, n_workers or os.cpu_count() or 1))
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
@@ -126,8 +154,8 @@ class VectorEnv:
     # ---- workers --------------------------------------------------------------------------------
     def _start(self, w: int) -> None:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.spec, len(self._assign[w])), daemon=True,
-                                 name=f"vlamux-env-{w}")
+        proc = self._ctx.Process(target=_worker_main, args=(child, self.spec, len(self._assign[w]), self.render_device),
+                                 daemon=True, name=f"vlamux-env-{w}")
         proc.start()
         child.close()
         self._workers[w] = _Worker(proc, parent, self._assign[w])
@@ -297,6 +325,13 @@ class VectorEnv:
         _, err = self._call("ping", alive, timeout_s) if alive else ({}, None)
         hung = [w for w in alive if err is not None and any(i in err.failed_envs for i in self._assign[w])]
         return sorted(dead + hung)
+
+    def render_info(self, worker: int = 0) -> dict:
+        """Worker `worker`'s GL choice: {"backend", "reason", "egl_device"} (its MUJOCO_EGL_DEVICE_ID)."""
+        replies, err = self._call("render_info", {worker: None})
+        if err is not None:
+            raise err
+        return replies[worker]
 
     def debug_sleep(self, worker: int, seconds: float, timeout_s: float | None = None) -> None:
         _, err = self._call("debug_sleep", {worker: seconds}, timeout_s)

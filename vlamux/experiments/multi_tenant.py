@@ -35,6 +35,7 @@ class Budget:
     batch_size: int = 64
     horizon: int = 8
     n_action_steps: int = 4  # actions of each chunk executed before the next is asked for
+    demo_cameras: str = "video"  # how the demonstrations store frames: "video" (mp4) or "image" (PNG)
 
     @classmethod
     def quick(cls) -> Budget:
@@ -76,15 +77,15 @@ def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[di
 
 
 def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny", on_tick=None,
-        timeout_s: float = 24 * 3600) -> dict:
+        timeout_s: float = 24 * 3600, device: str = "auto", dtype: str = "auto") -> dict:
     """Run the jobs isolated (one after another, fresh services each) or all at once; returns wall
     time, service utilisation and each job's result."""
     workdir = Path(workdir) / mode
-    results, walls, busy = {}, [], {"training": 0.0, "inference": 0.0}
+    results, walls, busy, placed = {}, [], {"training": 0.0, "inference": 0.0}, {}
     groups = [[s] for s in specs] if mode == "isolated" else [specs]
     t_all = time.monotonic()
     for group in groups:
-        rt = _runtime(backbone)
+        rt = _runtime(backbone, device, dtype)
         try:
             master = MasterService(rt, workdir)
             t0 = time.monotonic()
@@ -92,6 +93,7 @@ def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny
             _watch(jobs, on_tick, timeout_s)
             walls.append(time.monotonic() - t0)
             busy["training"] += rt.training.accounting.busy_s
+            placed = {k: rt.training.metrics()[k] for k in ("device", "dtype")}  # as the service runs
             busy["inference"] += sum(r.accounting.busy_s for r in rt.replicas.values())
             for j in jobs:
                 if j.state != "succeeded":
@@ -100,13 +102,13 @@ def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny
         finally:
             rt.stop()
     wall = sum(walls)
-    return {"mode": mode, "wall_s": wall, "elapsed_s": time.monotonic() - t_all,
+    return {"mode": mode, **placed, "wall_s": wall, "elapsed_s": time.monotonic() - t_all,
             "train_util": busy["training"] / wall, "infer_util": busy["inference"] / wall,
             "busy_s": busy, "jobs": results}
 
 
-def _runtime(backbone: str) -> EmbeddedRuntime:
-    return EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset=backbone),
+def _runtime(backbone: str, device: str = "auto", dtype: str = "auto") -> EmbeddedRuntime:
+    return EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset=backbone), device=device, dtype=dtype,
                                          inference_queue=InferenceQueueConfig(batch_rows=32, max_wait_s=0.005),
                                          max_staleness=16)).start()
 
@@ -131,8 +133,10 @@ def ensure_demos(b: Budget, root: str | Path, progress=None) -> Path:
     """The scripted demonstrations as a LeRobot dataset, generated once and reused."""
     from vlamux.data.demos import generate
 
-    root = Path(root) / f"tabletop-{TASK.replace('/', '-')}-{b.image_size}px-{b.demos}"
+    suffix = "" if b.demo_cameras == "video" else f"-{b.demo_cameras}"
+    root = Path(root) / f"tabletop-{TASK.replace('/', '-')}-{b.image_size}px-{b.demos}{suffix}"
     if not (root / "meta" / "info.json").exists():
-        generate([TASK], b.demos, root, image_size=b.image_size, workers=2, progress=progress)
+        generate([TASK], b.demos, root, image_size=b.image_size, workers=2, progress=progress,
+                 camera_dtype=b.demo_cameras)
     return root
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vlamux.errors import InvalidInputError
+from vlamux.model.device import to_device
 from vlamux.model.tokenizer import ByteTokenizer
 
 
@@ -147,16 +148,16 @@ def canonicalize(obs: Observation, schema: InputSchema, tokenizer: ByteTokenizer
     size = schema.image_size
     views, masks = [], []
     for name, img in obs.images.items():
-        x = img.to(device=device, non_blocking=True).to(torch.float32)  # resize in fp32: not every kernel has bf16
+        x = to_device(img, device).to(torch.float32)  # resize in fp32: not every kernel has bf16
         if tuple(x.shape[2:]) != (size, size):
             x = F.interpolate(x, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
         views.append(x.mul_(2.0 / 255.0).sub_(1.0).to(dtype))
         m = obs.camera_mask.get(name)
-        masks.append(torch.ones(obs.batch_size, dtype=torch.bool, device=device) if m is None else m.to(device))
+        masks.append(torch.ones(obs.batch_size, dtype=torch.bool, device=device) if m is None else to_device(m, device))
     tokens, token_mask = tokenizer(list(obs.instruction))
     return CanonicalBatch(
         pixels=torch.stack(views, dim=1),
         camera_mask=torch.stack(masks, dim=1),
-        tokens=tokens.to(device),
-        token_mask=token_mask.to(device),
+        tokens=to_device(tokens, device),
+        token_mask=to_device(token_mask, device),
     )

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from vlamux.errors import InvalidInputError
+from vlamux.model.device import to_device
 
 MODES = ("mean_std", "min_max", "identity")
 _FIELDS = ("mean", "std", "min", "max")
@@ -56,7 +57,13 @@ class NormStats:
 
     def to(self, device) -> NormStats:
         """A private copy on `device` (never shares storage with the caller's tensors)."""
-        return NormStats(*(getattr(self, f).to(device, torch.float32, copy=True) for f in _FIELDS), mode=self.mode)
+        out = object.__new__(NormStats)  # checked once when made; re-checking on a GPU would wait for it
+        for f in _FIELDS:
+            src = getattr(self, f)
+            t = to_device(src, device, torch.float32)
+            object.__setattr__(out, f, t.clone() if t.data_ptr() == src.data_ptr() else t)
+        out.mode = self.mode
+        return out
 
     def normalize(self, x: Tensor) -> Tensor:
         if self.mode == "mean_std":

@@ -12,6 +12,7 @@ GRPO uses the same objective with group-normalised advantages and no value targe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from torch import Tensor
 
 from vlamux.errors import InvalidInputError
 from vlamux.model.batch import check_float_tensor
+from vlamux.model.device import to_device
 
 
 @dataclass
@@ -34,6 +36,12 @@ class PolicyLoss:
     value_coef: float = 0.5
     entropy_coef: float = 0.0
 
+    def to(self, device) -> PolicyLoss:
+        """The same objective with its tensors on `device` (the host checks them first: `check`)."""
+        moved = {k: None if getattr(self, k) is None else to_device(getattr(self, k), device, torch.float32)
+                 for k in ("behaviour_log_prob", "advantages", "returns", "proximal_log_prob")}
+        return dataclasses.replace(self, **moved)
+
     def check(self, batch: int) -> None:
         for name in ("behaviour_log_prob", "advantages", "returns", "proximal_log_prob"):
             v = getattr(self, name)
@@ -48,22 +56,24 @@ def policy_objective(log_prob: Tensor, entropy: Tensor, value: Tensor | None, sp
                      ) -> tuple[Tensor, dict]:
     """The decoupled-PPO loss from the current policy's per-row log_prob, entropy and value."""
     dev = log_prob.device
-    behaviour = spec.behaviour_log_prob.to(dev, torch.float32)
-    adv = spec.advantages.to(dev, torch.float32)
-    prox = log_prob.detach() if spec.proximal_log_prob is None else spec.proximal_log_prob.to(dev, torch.float32)
+    behaviour = to_device(spec.behaviour_log_prob, dev, torch.float32)
+    adv = to_device(spec.advantages, dev, torch.float32)
+    prox = log_prob.detach() if spec.proximal_log_prob is None else to_device(spec.proximal_log_prob, dev,
+                                                                                torch.float32)
     is_weight = (prox - behaviour).exp().clamp(max=spec.max_is_weight)
     ratio = (log_prob - prox).exp()
     clipped = ratio.clamp(1 - spec.clip_eps, 1 + spec.clip_eps)
     policy = -(is_weight * torch.min(ratio * adv, clipped * adv)).mean()
     loss = policy - spec.entropy_coef * entropy.mean()
-    metrics = {"policy_loss": policy.item(), "entropy": entropy.mean().item(),
-               "is_weight": is_weight.mean().item(),
-               "clip_frac": ((ratio - 1).abs() > spec.clip_eps).float().mean().item(),
-               "approx_kl": (prox - log_prob).mean().item()}
+    # 0-d tensors: reading them waits for the device, which the caller does once per group
+    metrics = {"policy_loss": policy.detach(), "entropy": entropy.mean().detach(),
+               "is_weight": is_weight.mean().detach(),
+               "clip_frac": ((ratio - 1).abs() > spec.clip_eps).float().mean().detach(),
+               "approx_kl": (prox - log_prob).mean().detach()}
     if spec.returns is not None:
         if value is None:
             raise InvalidInputError("loss.returns: this head has no value output")
-        v_loss = 0.5 * (value - spec.returns.to(dev, torch.float32)).pow(2).mean()
+        v_loss = 0.5 * (value - to_device(spec.returns, dev, torch.float32)).pow(2).mean()
         loss = loss + spec.value_coef * v_loss
-        metrics["value_loss"] = v_loss.item()
+        metrics["value_loss"] = v_loss.detach()
     return loss, metrics

@@ -1,38 +1,87 @@
 """The model runner: the one place that touches backbone and head tensors.
 
-`execute(requests)` canonicalises each tenant's request, runs one backbone
-forward per group, splits the features back per request and runs each
-tenant's head in its own slot. One tenant's failure (bad input, exception,
-NaN) fails that tenant's result only.
+`execute(requests)` canonicalises each tenant's request, runs one backbone forward per group,
+splits the features back per request and runs the heads: requests whose heads share an
+architecture as one fused call (`vlamux.model.fused`), the others one by one in their own slots.
+One tenant's failure (bad input, exception, NaN) fails that tenant's result only.
+
+On a GPU nothing here waits for the device until a round's results are complete: inputs arrive
+from pinned memory into the rollout pool (`vlamux.model.memory`), the group's work is queued on
+the runner's own stream (`vlamux.model.device.Lane`), times are CUDA events, and one transfer
+brings every result (and every forward_backward's finiteness) to the host, after which each
+tenant's gradients are applied or dropped.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
 from vlamux.errors import InvalidInputError, UnknownTenantError
 from vlamux.model.backbones import Backbone
 from vlamux.model.batch import CanonicalBatch, canonicalize
+from vlamux.model.device import Lane
 from vlamux.model.feature import VLAFeature
+from vlamux.model.fused import FusedHeads, architecture
 from vlamux.model.group import ForwardBackward, Request, Result, Sample, plan_groups
 from vlamux.model.heads import HeadSpec
-from vlamux.model.slot import OptimizerSpec, Slot
+from vlamux.model.memory import memory_pools
+from vlamux.model.slot import OptimizerSpec, PendingGrads, RowInputs, Slot
 
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Work:
+    """Head work queued for one request, waiting for the round's host transfer."""
+
+    index: int
+    slot: Slot
+    pending: PendingGrads | None = None  # forward_backward
+    output: dict | None = None  # sample (device tensors)
+    span: tuple = ()  # (start mark, end mark, this request's share of the span)
+    error: Exception | None = None
+
+
+@dataclass
+class _Ingested:
+    batch: CanonicalBatch
+    rows: RowInputs
+
+    @property
+    def batch_size(self) -> int:
+        return self.batch.batch_size
+
+
+@dataclass
+class _Round:
+    works: list[_Work] = field(default_factory=list)
+    backbone: list[tuple] = field(default_factory=list)  # (request indices, rows, start, end)
+
+
 class ModelRunner:
-    def __init__(self, backbones: Backbone | list[Backbone], max_group_rows: int | None = None):
+    def __init__(self, backbones: Backbone | list[Backbone], max_group_rows: int | None = None,
+                 fuse_heads: bool = True):
         backbones = [backbones] if isinstance(backbones, Backbone) else list(backbones)
         if not backbones:
             raise ValueError("a model runner needs at least one backbone")
+        if len({b.device for b in backbones}) > 1:
+            raise ValueError(f"a model runner's backbones share one device, got {sorted({str(b.device) for b in backbones})}")
         self.backbones = {b.backbone_id: b for b in backbones}
         self.default_backbone = backbones[0].backbone_id
         self.max_group_rows = max_group_rows
         self.slots: dict[str, Slot] = {}
+        self.lane = Lane(backbones[0].device, backbones[0].dtype)
+        self.pools = memory_pools(backbones[0].device)
+        self.fused = FusedHeads() if fuse_heads else None
+
+    @property
+    def fuse_heads(self) -> bool:
+        return self.fused is not None
 
     # ---- slots ----------------------------------------------------------------------------------
     def create_slot(self, tenant: str, head_spec: HeadSpec, optim: OptimizerSpec | None = None, seed: int = 0,
@@ -68,16 +117,40 @@ class ModelRunner:
     # ---- execution ------------------------------------------------------------------------------
     def optim_step(self, tenant: str) -> Result:
         t0 = time.perf_counter()
-        try:
-            out = self.slot(tenant).optim_step()
-            return Result(tenant, out, head_s=time.perf_counter() - t0)
-        except Exception as e:  # noqa: BLE001 - one tenant's failure is that tenant's result
-            return Result(tenant, error=e, head_s=time.perf_counter() - t0)
+        with self.lane.active():
+            try:
+                start = self.lane.mark()
+                out = self.slot(tenant).optim_step()
+                end = self.lane.mark()
+                out = self.lane.to_host(out)
+                out["grad_norm"] = float(out["grad_norm"])
+                return Result(tenant, out, head_s=self.lane.seconds(start, end))
+            except Exception as e:  # noqa: BLE001 - one tenant's failure is that tenant's result
+                return Result(tenant, error=e, head_s=time.perf_counter() - t0)
 
     def execute(self, requests: list[Request], grouped: bool = True) -> list[Result]:
         """Run `requests`; results come back in the same order. `grouped=False` runs them one by one."""
         results = [Result(getattr(r, "tenant", "?")) for r in requests]
-        batches: dict[int, CanonicalBatch] = {}
+        with self.lane.active():
+            batches = self._ingest(requests, results)
+            for indices in self._rounds(requests, sorted(batches)):
+                rnd = _Round()
+                if grouped:
+                    keys = [self.slots[requests[i].tenant].backbone_id for i in indices]
+                    rows = [batches[i].batch_size for i in indices]
+                    plan = [[indices[j] for j in g] for g in plan_groups(keys, rows, self.max_group_rows,
+                                                                         [requests[i].tenant for i in indices])]
+                else:
+                    plan = [[i] for i in indices]
+                for group in plan:
+                    self._run_group(group, requests, batches, results, rnd, fuse=grouped)
+                self._finish(rnd, results)
+        return results
+
+    def _ingest(self, requests: list[Request], results: list[Result]) -> dict[int, _Ingested]:
+        """Each valid request checked on the host, then copied to the device into the rollout pool:
+        its canonical batch (the backbone's input) and its per-row inputs (the head's)."""
+        batches: dict[int, _Ingested] = {}
         for i, req in enumerate(requests):
             t0 = time.perf_counter()
             try:
@@ -85,67 +158,190 @@ class ModelRunner:
                     raise InvalidInputError(f"request {i}: expected ForwardBackward or Sample, got {type(req).__name__}")
                 slot = self.slot(req.tenant)
                 backbone = self.backbones[slot.backbone_id]
-                batches[i] = canonicalize(req.obs, backbone.schema, backbone.tokenizer, backbone.device,
-                                          backbone.dtype)
+                with self.pools.rollout():  # canonicalize checks the observation before it copies
+                    batch = canonicalize(req.obs, backbone.schema, backbone.tokenizer, backbone.device,
+                                         backbone.dtype)
+                    if isinstance(req, ForwardBackward):
+                        rows = slot.check_rows(req.obs.batch_size, req.obs.state, req.actions, req.action_mask,
+                                               req.loss, train=True)
+                    else:
+                        rows = slot.check_rows(req.obs.batch_size, req.obs.state)
+                    batches[i] = _Ingested(batch, rows.to(backbone.device))
             except Exception as e:  # noqa: BLE001
                 results[i].error = e
             results[i].backbone_s = time.perf_counter() - t0
+        return batches
 
-        valid = sorted(batches)
-        if grouped:
-            keys = [self.slots[requests[i].tenant].backbone_id for i in valid]
-            rows = [batches[i].batch_size for i in valid]
-            plan = [[valid[j] for j in g] for g in plan_groups(keys, rows, self.max_group_rows,
-                                                               [requests[i].tenant for i in valid])]
-        else:
-            plan = [[i] for i in valid]
-        for group in plan:
-            self._run_group(group, requests, batches, results)
-        return results
+    @staticmethod
+    def _rounds(requests: list[Request], valid: list[int]) -> list[list[int]]:
+        """A tenant's second forward_backward of one call goes to a later round: each round settles its
+        gradients (and, on failure, rewinds the tenant's generator) before the next one draws."""
+        seen: Counter = Counter()
+        rounds: list[list[int]] = []
+        for i in valid:
+            k = seen[requests[i].tenant] if isinstance(requests[i], ForwardBackward) else 0
+            if isinstance(requests[i], ForwardBackward):
+                seen[requests[i].tenant] += 1
+            while len(rounds) <= k:
+                rounds.append([])
+            rounds[k].append(i)
+        return rounds
 
-    def _run_group(self, group: list[int], requests: list[Request], batches: dict[int, CanonicalBatch],
-                   results: list[Result]) -> None:
+    def _run_group(self, group: list[int], requests: list[Request], batches: dict[int, _Ingested],
+                   results: list[Result], rnd: _Round, fuse: bool) -> None:
         slots = [self.slots[requests[i].tenant] for i in group]
         backbone = self.backbones[slots[0].backbone_id]
         n_layers = max(s.head_spec.feature_layers for s in slots)
-        t0 = time.perf_counter()
+        start = self.lane.mark()
         try:
             with torch.no_grad():
-                features = backbone.forward_group([batches[i] for i in group], n_layers=n_layers)
-            _sync(backbone.device)
+                features = backbone.forward_group([batches[i].batch for i in group], n_layers=n_layers)
         except Exception as e:  # noqa: BLE001
             if len(group) > 1:
                 # Find the request that broke the group; the others must still succeed.
                 log.warning("group of %d requests failed in the backbone (%s); retrying one by one", len(group), e)
                 for i in group:
-                    self._run_group([i], requests, batches, results)
+                    self._run_group([i], requests, batches, results, rnd, fuse)
                 return
             results[group[0]].error = e
             return
-        backbone_s = time.perf_counter() - t0
+        rnd.backbone.append((group, [batches[i].batch_size for i in group], start, self.lane.mark()))
+        for i in group:
+            results[i].group_size = len(group)
+        mine = {i: f.select(slice(None), None, s.head_spec.feature_layers) for i, s, f in zip(group, slots, features)}
+        self._heads(group, requests, {i: batches[i].rows for i in group}, mine, rnd, fuse)
 
-        total_rows = sum(batches[i].batch_size for i in group)
-        for i, slot, feature in zip(group, slots, features):
-            res = results[i]
-            res.group_size = len(group)
-            res.backbone_s += backbone_s * batches[i].batch_size / total_rows
-            t1 = time.perf_counter()
+    def _heads(self, group: list[int], requests: list[Request], rows: dict[int, RowInputs],
+               features: dict[int, VLAFeature], rnd: _Round, fuse: bool) -> None:
+        with self.lane.autocast():
+            for bucket in self._buckets(group, requests, fuse):
+                if len(bucket) > 1:
+                    self._fused(bucket, requests, rows, features, rnd)
+                else:
+                    self._single(bucket[0], requests, rows[bucket[0]], features[bucket[0]], rnd)
+
+    def run_heads(self, requests: list[Request], features: list[VLAFeature], fuse: bool | None = None
+                  ) -> list[Result]:
+        """The head phase alone, on given features (one per request, as a backbone gave them): what
+        `execute` runs after the backbone forward, exposed for the fused-heads benchmark and tests.
+        fuse: fuse same-architecture heads (default: the runner's setting)."""
+        results = [Result(r.tenant) for r in requests]
+        with self.lane.active():
+            rnd, rows, mine = _Round(), {}, {}
+            for i, (r, f) in enumerate(zip(requests, features)):
+                slot = self.slot(r.tenant)
+                checked = slot.check_rows(r.obs.batch_size, r.obs.state, r.actions, r.action_mask, r.loss, True) \
+                    if isinstance(r, ForwardBackward) else slot.check_rows(r.obs.batch_size, r.obs.state)
+                rows[i] = checked.to(slot.device)
+                mine[i] = f.select(slice(None), None, slot.head_spec.feature_layers)
+            self._heads(list(range(len(requests))), requests, rows, mine, rnd,
+                        self.fuse_heads if fuse is None else fuse)
+            self._finish(rnd, results)
+        return results
+
+    def _buckets(self, group: list[int], requests: list[Request], fuse: bool) -> list[list[int]]:
+        """The group's requests by head architecture and call mode, in order; unfused: one each."""
+        if not fuse or self.fused is None:
+            return [[i] for i in group]
+        buckets: dict[tuple, list[int]] = {}
+        for i in group:
+            buckets.setdefault(architecture(self.slots[requests[i].tenant], _mode(requests[i])), []).append(i)
+        return list(buckets.values())
+
+    def _single(self, i: int, requests: list[Request], rows: RowInputs, feature: VLAFeature, rnd: _Round) -> None:
+        req, slot = requests[i], self.slots[requests[i].tenant]
+        work = _Work(i, slot)
+        start = self.lane.mark()
+        try:
+            if isinstance(req, ForwardBackward):
+                work.pending = slot.compute(slot.fb_inputs(feature, rows))
+            else:
+                work.output = slot.sample_rows(feature, rows, req.deterministic)
+        except Exception as e:  # noqa: BLE001 - one tenant's failure is that tenant's result
+            log.debug("tenant %r request failed: %s", slot.tenant, e)
+            work.error = e
+        work.span = (start, self.lane.mark(), 1.0)
+        rnd.works.append(work)
+
+    def _fused(self, bucket: list[int], requests: list[Request], rows_of: dict[int, RowInputs],
+               features: dict[int, VLAFeature], rnd: _Round) -> None:
+        """One call for the bucket's heads; a request whose inputs are bad fails alone, and if the fused
+        call itself fails, every request of the bucket runs on its own instead."""
+        start = self.lane.mark()
+        works, inputs, noises, rngs = [], [], [], []
+        training = isinstance(requests[bucket[0]], ForwardBackward)
+        for i in bucket:
+            req, slot = requests[i], self.slots[requests[i].tenant]
             try:
-                mine = feature.select(slice(None), None, slot.head_spec.feature_layers)
-                res.output = self._run_head(requests[i], slot, mine)
-            except Exception as e:  # noqa: BLE001 - one tenant's failure is that tenant's result
-                log.debug("tenant %r request failed: %s", slot.tenant, e)
-                res.error = e
-            _sync(backbone.device)
-            res.head_s = time.perf_counter() - t1
+                if training:
+                    x = slot.fb_inputs(features[i], rows_of[i])
+                    rows = x.feature.batch_size
+                else:
+                    x = slot.sample_inputs(features[i], rows_of[i])
+                    rows = x[0].batch_size
+            except Exception as e:  # noqa: BLE001
+                rnd.works.append(_Work(i, slot, error=e, span=(start, start, 0.0)))
+                continue
+            rngs.append(slot.generator.get_state())
+            purpose = "loss" if training else "sample"
+            noises.append({} if training and req.loss is not None else
+                          slot.draw(purpose, rows, getattr(req, "deterministic", False)))
+            works.append(_Work(i, slot))
+            inputs.append((x, rows))
+        if not works:
+            return
+        slots = [w.slot for w in works]
+        try:
+            if training:
+                pendings = self.fused.forward_backward(slots, [x for x, _ in inputs], noises, rngs)
+                for w, p in zip(works, pendings):
+                    w.pending = p
+            else:
+                outs = self.fused.sample(slots, [x[0] for x, _ in inputs], [x[1] for x, _ in inputs], noises,
+                                         requests[bucket[0]].deterministic)
+                for w, out in zip(works, outs):
+                    w.output = w.slot.finish_sample(out)
+        except Exception as e:  # noqa: BLE001 - fall back to the per-tenant path
+            log.warning("fused heads of %d requests failed (%s); running them one by one", len(works), e)
+            for w, rng in zip(works, rngs):
+                w.slot.generator.set_state(rng)
+            for w in works:
+                self._single(w.index, requests, rows_of[w.index], features[w.index], rnd)
+            return
+        end = self.lane.mark()
+        total = sum(rows for _, rows in inputs)
+        for w, (_, rows) in zip(works, inputs):
+            w.span = (start, end, rows / total)
+            rnd.works.append(w)
 
-    @staticmethod
-    def _run_head(req: Request, slot: Slot, feature: VLAFeature) -> dict:
-        if isinstance(req, ForwardBackward):
-            return slot.forward_backward(feature, req.obs.state, req.actions, req.action_mask, req.loss)
-        return slot.sample(feature, req.obs.state, req.deterministic)
+    def _finish(self, rnd: _Round, results: list[Result]) -> None:
+        """Bring the round's outputs to the host (the one wait), then settle each request."""
+        payload = [(w.pending.finite, w.pending.out) if w.pending is not None else w.output for w in rnd.works]
+        host = self.lane.to_host(payload)
+        for group, rows, start, end in rnd.backbone:
+            seconds, total = self.lane.seconds(start, end), sum(rows)
+            for i, n in zip(group, rows):
+                results[i].backbone_s += seconds * n / total
+        for w, out in zip(rnd.works, host):
+            res = results[w.index]
+            start, end, share = w.span
+            res.head_s = self.lane.seconds(start, end) * share
+            if w.error is not None:
+                res.error = w.error
+            elif w.pending is not None:
+                finite, values = out
+                try:
+                    res.output = w.slot.settle(w.pending, bool(finite), values)
+                except Exception as e:  # noqa: BLE001 - NaN: that tenant's failure only
+                    res.error = e
+            else:
+                res.output = out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _mode(req: Request) -> str:
+    """A request's call mode, part of what fusing needs to match."""
+    if isinstance(req, Sample):
+        return "sample-deterministic" if req.deterministic else "sample"
+    if req.loss is None:
+        return "supervised"
+    return "rl-value" if req.loss.returns is not None else "rl"

@@ -9,7 +9,9 @@ gradient) leaves the slot exactly as it was.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import logging
+import math
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,14 +20,17 @@ from torch import Tensor
 
 from vlamux.errors import IncompatibleError, InvalidInputError, NonFiniteError
 from vlamux.model.batch import check_float_tensor
+from vlamux.model.device import copy_into, to_cpu, to_device
 from vlamux.model.feature import FeatureMeta, VLAFeature
 from vlamux.model.heads import ActionHead, HeadSpec, build_head
+from vlamux.model.heads.base import host_noise
 from vlamux.model.normalize import NormStats
 from vlamux.model.policy_loss import PolicyLoss, policy_objective
 from vlamux.utils.io import atomic_save_safetensors
 from vlamux.utils.seeding import seeded
 
 FORMAT = "vlamux.slot/1"
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -54,11 +59,65 @@ class PolicySnapshot:
     version: int
     backbone_id: str
     head_spec: HeadSpec
-    tensors: dict  # "head.*" weights and "stats.*" statistics, on the CPU
+    tensors: dict  # "head.*" weights and "stats.*" statistics, on the host
     stats_modes: dict
+    # On CUDA: an event marking `tensors` complete (they are filled asynchronously); None when they are.
+    done: object = field(default=None, compare=False, repr=False)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def ready(self) -> PolicySnapshot:
+        """Wait until `tensors` hold the version (a host reader's duty; device readers wait on `done`)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return self
+
+    def __getstate__(self):  # to another process (Ray): the tensors complete, no CUDA event
+        self.ready()
+        return {**self.__dict__, "done": None}
+
+    def __setstate__(self, state):
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
+
+
+@dataclass
+class PendingGrads:
+    """A forward_backward computed on the device but not applied yet. Whether it is finite is only
+    known once the host reads `finite`, which the runner does for a whole group at once (one wait
+    per group, not one per tenant); `Slot.settle` then applies or drops it."""
+
+    grads: list  # per trainable parameter (Slot.params order): Tensor or None
+    out: dict  # "loss", metrics and extras: device tensors, bound for the host
+    finite: Tensor  # 0-d bool: the loss and every gradient are finite
+    rng: Tensor  # the generator's state before this call's draws (restored if it is dropped)
+
+
+@dataclass
+class RowInputs:
+    """A request's per-row inputs to one tenant's head, checked (`Slot.check_rows`), in its own units."""
+
+    state: Tensor | None
+    actions: Tensor | None = None
+    mask: Tensor | None = None
+    loss: PolicyLoss | None = None
+
+    def to(self, device) -> RowInputs:
+        move = (lambda t: None if t is None else to_device(t, device))
+        return RowInputs(move(self.state), move(self.actions), move(self.mask),
+                         None if self.loss is None else self.loss.to(device))
+
+
+@dataclass
+class FBInputs:
+    """One tenant's forward_backward inputs, checked, normalised and on the slot's device."""
+
+    feature: VLAFeature
+    state: Tensor | None
+    actions: Tensor
+    mask: Tensor
+    loss: PolicyLoss | None
 
 
 class Slot:
@@ -77,7 +136,10 @@ class Slot:
         o = self.optim_spec
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay)
-        self.generator = torch.Generator(self.device)
+        # A CPU generator on every device: draws are made on the host and copied over (they are a few
+        # numbers per action chunk), so a tenant's random stream is the same on a CPU and a GPU and
+        # its state moves between them with a checkpoint, bit for bit.
+        self.generator = torch.Generator()
         self.generator.manual_seed(seed + 1)
         self.stats = {
             "action": NormStats.identity(head_spec.action_dim, self.head.ACTION_NORM).to(self.device),
@@ -85,6 +147,14 @@ class Slot:
         }
         self.version = 0
         self.accumulated = 0  # forward_backward calls since the last optimizer step
+
+    @property
+    def params(self) -> list[Tensor]:
+        """The trainable parameters, in the order gradients are handed over (loads copy into them in
+        place, so the list is built once)."""
+        if getattr(self, "_params", None) is None:
+            self._params = [p for p in self.head.parameters() if p.requires_grad]
+        return self._params
 
     # ---- statistics -------------------------------------------------------------------------
     def set_stats(self, action: NormStats | None = None, state: NormStats | None = None) -> None:
@@ -103,16 +173,21 @@ class Slot:
         self.stats.update(new)
 
     # ---- inputs -------------------------------------------------------------------------------
-    def _state(self, state: Tensor | None, batch: int) -> Tensor | None:
+    def check_rows(self, batch: int, state: Tensor | None, actions: Tensor | None = None,
+                   action_mask: Tensor | None = None, loss: PolicyLoss | None = None, train: bool = False
+                   ) -> RowInputs:
+        """A request's per-row inputs for this tenant's head, checked on the host (checking a device
+        tensor would wait for the device): the state (None where the head reads none), and for a
+        forward_backward (`train`) the actions, the step mask (all steps by default) and the RL objective."""
         s = self.head_spec.state_dim
         if s == 0:
-            return None  # this head reads no proprio state; ignore what the observation carries
-        if state is None:
+            state = None  # this head reads no proprio state; ignore what the observation carries
+        elif state is None:
             raise InvalidInputError(f"state: the head of tenant {self.tenant!r} needs a proprio state [B, {s}]")
-        check_float_tensor("state", state, (batch, s))
-        return self.stats["state"].normalize(state.to(self.device, torch.float32))
-
-    def _actions(self, actions: Tensor, action_mask: Tensor | None, batch: int) -> tuple[Tensor, Tensor]:
+        else:
+            check_float_tensor("state", state, (batch, s))
+        if not train:
+            return RowInputs(state)
         h, a = self.head_spec.horizon, self.head_spec.action_dim
         check_float_tensor("actions", actions, (batch, h, a))
         if action_mask is None:
@@ -124,58 +199,102 @@ class Slot:
             raise InvalidInputError(f"action_mask: expected a bool tensor [{batch}, {h}], got {got}")
         if not action_mask.any():
             raise InvalidInputError("action_mask: no valid step in the batch")
-        actions = self.stats["action"].normalize(actions.to(self.device, torch.float32))
-        return actions, action_mask.to(self.device)
+        if loss is not None:
+            loss.check(batch)
+        return RowInputs(state, actions, action_mask, loss)
 
     def _check_feature(self, feature: VLAFeature) -> VLAFeature:
         if feature.meta.backbone_id != self.backbone_id:
             raise IncompatibleError(f"tenant {self.tenant!r} is bound to backbone {self.backbone_id!r}, "
                                     f"got features of {feature.meta.backbone_id!r}")
-        return feature.to(self.step_pos_dtype)
+        if torch.is_autocast_enabled(self.device.type):
+            return feature  # autocast casts at each matmul
+        return feature.to(self.head.step_pos.dtype)
 
-    @property
-    def step_pos_dtype(self) -> torch.dtype:
-        return self.head.step_pos.dtype
+    def _normal_state(self, rows: RowInputs) -> Tensor | None:
+        if rows.state is None:
+            return None
+        return self.stats["state"].normalize(to_device(rows.state, self.device, torch.float32))
+
+    def fb_inputs(self, feature: VLAFeature, rows: RowInputs) -> FBInputs:
+        """Checked rows (`check_rows`) with the request's features, normalised, on the device."""
+        feature = self._check_feature(feature)
+        actions = self.stats["action"].normalize(to_device(rows.actions, self.device, torch.float32))
+        return FBInputs(feature, self._normal_state(rows), actions, to_device(rows.mask, self.device),
+                        None if rows.loss is None else rows.loss.to(self.device))
+
+    def sample_inputs(self, feature: VLAFeature, rows: RowInputs) -> tuple[VLAFeature, Tensor | None]:
+        return self._check_feature(feature), self._normal_state(rows)
+
+    def draw(self, purpose: str, batch: int, deterministic: bool = False) -> dict[str, Tensor]:
+        """This call's random draws from the tenant's generator, on the slot's device."""
+        return host_noise(self.head.draw(purpose, batch, self.generator, deterministic), self.device)
 
     # ---- operations ---------------------------------------------------------------------------
+    def objective(self, x: FBInputs, head_out) -> tuple[Tensor, dict, dict]:
+        """The loss, metrics and extras of one tenant, from its head's output: the supervised
+        (loss, metrics) of `head.loss`, or the (log_prob, entropy, value) of `head.evaluate` for RL."""
+        if x.loss is None:
+            loss, metrics = head_out
+            return loss, metrics, {}
+        log_prob, entropy, value = head_out
+        loss, metrics = policy_objective(log_prob, entropy, value, x.loss)
+        return loss, metrics, {"log_prob": log_prob.detach()}
+
+    def head_forward(self, x: FBInputs, noise: dict):
+        if x.loss is None:
+            return self.head.loss(x.feature, x.state, x.actions, x.mask, noise=noise)
+        return self.head.evaluate(x.feature, x.state, x.actions, x.mask)
+
+    def compute(self, x: FBInputs) -> PendingGrads:
+        """This tenant's gradients on `x`, not applied (see `PendingGrads`); nothing waits for the device."""
+        rng = self.generator.get_state()
+        try:
+            noise = self.draw("loss", x.feature.batch_size) if x.loss is None else {}
+            loss, metrics, extra = self.objective(x, self.head_forward(x, noise))
+            params = self.params
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+        except BaseException:
+            self.generator.set_state(rng)
+            raise
+        return self.pending(loss, metrics, extra, list(grads), rng)
+
+    @staticmethod
+    def pending(loss: Tensor, metrics: dict, extra: dict, grads: list, rng: Tensor) -> PendingGrads:
+        present = [g for g in grads if g is not None]
+        finite = torch.isfinite(loss.detach())
+        if present:
+            finite = finite & torch.stack(torch._foreach_norm(present)).isfinite().all()
+        return PendingGrads(grads, {"loss": loss.detach(), **metrics, **extra}, finite, rng)
+
+    def settle(self, pending: PendingGrads, finite: bool, out: dict) -> dict:
+        """Apply a computed forward_backward (`finite`, `out`: its flag and outputs, read on the host),
+        or drop it with NonFiniteError, leaving the slot as it was."""
+        if not finite:
+            self.generator.set_state(pending.rng)
+            loss = float(out["loss"])
+            what = f"loss is {loss}" if not math.isfinite(loss) else "gradient has NaN or infinite values"
+            raise NonFiniteError(f"tenant {self.tenant!r}: {what}")
+        for p, g in zip(self.params, pending.grads):
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad.add_(g)
+        self.accumulated += 1
+        return {k: float(v) if isinstance(v, Tensor) and v.dim() == 0 else v for k, v in out.items()}
+
     def forward_backward(self, feature: VLAFeature, state: Tensor | None, actions: Tensor,
                          action_mask: Tensor | None = None, loss: PolicyLoss | None = None) -> dict:
         """Add this batch's gradients to the slot; returns the loss and head metrics. Without `loss`
         the head's supervised loss on `actions`; with it, the RL objective (then also the rows'
-        current `log_prob`, a proximal policy for later epochs over the same batch)."""
-        feature = self._check_feature(feature)
-        b = feature.batch_size
-        state_n = self._state(state, b)
-        actions_n, mask = self._actions(actions, action_mask, b)
-        if loss is not None:
-            loss.check(b)
-        rng = self.generator.get_state()
-        extra = {}
-        try:
-            params = [p for p in self.head.parameters() if p.requires_grad]
-            if loss is None:
-                loss, metrics = self.head.loss(feature, state_n, actions_n, mask, self.generator)
-            else:
-                log_prob, entropy, value = self.head.evaluate(feature, state_n, actions_n, mask)
-                loss, metrics = policy_objective(log_prob, entropy, value, loss)
-                extra["log_prob"] = log_prob.detach().cpu()
-            if not torch.isfinite(loss):
-                raise NonFiniteError(f"tenant {self.tenant!r}: loss is {loss.item()}")
-            grads = torch.autograd.grad(loss, params, allow_unused=True)
-            present = [g for g in grads if g is not None]
-            if present and not torch.isfinite(torch.stack([g.sum() for g in present])).all():
-                raise NonFiniteError(f"tenant {self.tenant!r}: gradient has NaN or infinite values")
-        except BaseException:
-            self.generator.set_state(rng)
-            raise
-        for p, g in zip(params, grads):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
-        self.accumulated += 1
-        return {"loss": loss.item(), **metrics, **extra}
+        current `log_prob`, a proximal policy for later epochs over the same batch). Direct use
+        waits for the device; the model runner batches that wait over a group (`compute`/`settle`)."""
+        rows = self.check_rows(feature.batch_size, state, actions, action_mask, loss, train=True)
+        pending = self.compute(self.fb_inputs(feature, rows))
+        finite, out = to_cpu((pending.finite, pending.out))
+        return self.settle(pending, bool(finite), out)
 
-    def optim_step(self) -> dict[str, float]:
-        """Apply accumulated gradients; the policy version increases by one."""
+    def optim_step(self) -> dict:
+        """Apply accumulated gradients; the policy version increases by one. grad_norm is a 0-d tensor
+        (on the device: reading it is the caller's wait)."""
         if self.accumulated == 0:
             raise InvalidInputError(f"optim_step: tenant {self.tenant!r} has no gradients since its last step")
         params = [p for p in self.head.parameters() if p.grad is not None]
@@ -185,31 +304,58 @@ class Slot:
         self.optimizer.zero_grad(set_to_none=True)
         self.accumulated = 0
         self.version += 1
-        return {"grad_norm": norm.item(), "policy_version": self.version}
+        return {"grad_norm": norm.detach(), "policy_version": self.version}
 
-    @torch.no_grad()
-    def sample(self, feature: VLAFeature, state: Tensor | None, deterministic: bool = False) -> dict:
-        """An action chunk in the tenant's own units, stamped with the policy version."""
-        feature = self._check_feature(feature)
-        out = self.head.sample(feature, self._state(state, feature.batch_size), self.generator, deterministic)
+    def finish_sample(self, out: dict) -> dict:
+        """A head's sample output in the tenant's own units, stamped with the policy version."""
         out["actions"] = self.stats["action"].unnormalize(out["actions"])
         out["policy_version"] = self.version
         return out
 
+    def sample(self, feature: VLAFeature, state: Tensor | None, deterministic: bool = False) -> dict:
+        """An action chunk in the tenant's own units, stamped with the policy version (device tensors)."""
+        return self.sample_rows(feature, self.check_rows(feature.batch_size, state), deterministic)
+
+    @torch.no_grad()
+    def sample_rows(self, feature: VLAFeature, rows: RowInputs, deterministic: bool = False) -> dict:
+        """`sample` on checked rows (`check_rows`)."""
+        feature, state_n = self.sample_inputs(feature, rows)
+        rng = self.generator.get_state()
+        try:
+            noise = self.draw("sample", feature.batch_size, deterministic)
+            return self.finish_sample(self.head.sample(feature, state_n, deterministic=deterministic, noise=noise))
+        except BaseException:
+            self.generator.set_state(rng)
+            raise
+
     # ---- control plane: policy snapshots ----------------------------------------------------
-    def export_policy(self) -> PolicySnapshot:
-        """The serving part of this slot (head weights, statistics, version): what inference replicas need."""
-        tensors = {f"head.{k}": v.detach().to("cpu", copy=True) for k, v in self.head.state_dict().items()}
+    def policy_tensors(self) -> dict[str, Tensor]:
+        """The serving part of this slot (head weights and statistics), as the slot holds them."""
+        tensors = {f"head.{k}": v for k, v in self.head.state_dict().items()}
         for name, stats in self.stats.items():
-            tensors.update(stats.tensors(f"stats.{name}"))
+            tensors.update({f"stats.{name}.{f}": getattr(stats, f) for f in ("mean", "std", "min", "max")})
+        return tensors
+
+    def export_policy(self, export=None) -> PolicySnapshot:
+        """This slot's policy version as a snapshot: what inference replicas need. `export` makes the
+        host copies (a `Lane.export`: asynchronous on CUDA); by default plain copies."""
+        tensors, done = (export or _plain_export)(self.policy_tensors())
         return PolicySnapshot(self.tenant, self.version, self.backbone_id, self.head_spec, tensors,
-                              {k: v.mode for k, v in self.stats.items()})
+                              {k: v.mode for k, v in self.stats.items()}, done)
 
     def apply_policy(self, snap: PolicySnapshot) -> None:
+        """Serve `snap` from now on. The copies into the device are asynchronous (call it inside the
+        replica lane's `importing(snap.done)` block on CUDA); host state changes at once."""
         if snap.tenant != self.tenant or snap.head_spec != self.head_spec or snap.backbone_id != self.backbone_id:
             raise IncompatibleError(f"policy snapshot of tenant {snap.tenant!r} ({snap.head_spec.kind}) does not fit "
                                     f"the slot of tenant {self.tenant!r} ({self.head_spec.kind})")
-        self.head.load_state_dict({k[5:]: v for k, v in snap.tensors.items() if k.startswith("head.")})
+        head = {k[5:]: v for k, v in snap.tensors.items() if k.startswith("head.")}
+        own = self.head.state_dict()
+        if head.keys() != own.keys() or any(head[k].shape != own[k].shape for k in own):
+            raise IncompatibleError(f"policy snapshot of tenant {snap.tenant!r}: head tensors do not match")
+        with torch.no_grad():
+            for k, dst in own.items():
+                copy_into(dst, head[k])
         self.stats = {k: NormStats.from_tensors(snap.tensors, f"stats.{k}", m).to(self.device)
                       for k, m in snap.stats_modes.items()}
         self.version = snap.version
@@ -230,14 +376,14 @@ class Slot:
                 tensors[f"optim.{idx}.{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
         for name, stats in self.stats.items():
             tensors.update(stats.tensors(f"stats.{name}"))
-        tensors["rng"] = self.generator.get_state().cpu()  # layout depends on the generator's device type
+        tensors["rng"] = self.generator.get_state()  # a CPU generator's state, whatever the slot's device
         tensors["version"] = torch.tensor([self.version], dtype=torch.int64)
         meta = {
             "format": FORMAT, "tenant": self.tenant, "backbone_id": self.backbone_id, "seed": str(self.seed),
             "head_spec": self.head_spec.to_json(), "optim_spec": json.dumps(asdict(self.optim_spec)),
             "param_groups": json.dumps(opt["param_groups"]),
             "stats_modes": json.dumps({k: v.mode for k, v in self.stats.items()}),
-            "rng_device": self.device.type,
+            "rng_device": "cpu",  # the generator's type (files of earlier versions may say "cuda")
         }
         return tensors, meta
 
@@ -261,9 +407,6 @@ class Slot:
         if meta["backbone_id"] != self.backbone_id:
             raise IncompatibleError(f"{path}: trained on backbone {meta['backbone_id']!r}, slot uses "
                                     f"{self.backbone_id!r}")
-        if meta.get("rng_device", "cpu") != self.device.type:
-            raise IncompatibleError(f"{path}: saved from a {meta.get('rng_device', 'cpu')} slot, this slot is on "
-                                    f"{self.device.type}: its RNG state cannot resume here bit-identically")
         head = {k[5:]: v for k, v in tensors.items() if k.startswith("head.")}
         expected = self.head.state_dict()
         if head.keys() != expected.keys() or any(head[k].shape != expected[k].shape for k in head):
@@ -293,7 +436,7 @@ class Slot:
         self.optim_spec = OptimizerSpec(**json.loads(meta["optim_spec"]))
         modes = json.loads(meta["stats_modes"])
         self.stats = {k: NormStats.from_tensors(tensors, f"stats.{k}", m).to(self.device) for k, m in modes.items()}
-        self.generator.set_state(tensors["rng"])
+        self.generator.set_state(generator_state(tensors["rng"], meta.get("rng_device", "cpu"), self.tenant))
         self.version = int(tensors["version"][0])
         self.optimizer.zero_grad(set_to_none=True)
         self.accumulated = 0
@@ -306,6 +449,29 @@ class Slot:
                    seed=int(meta["seed"]), device=device)
         slot.load_state(path)
         return slot
+
+
+def _plain_export(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], None]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}, None
+
+
+def generator_state(rng: Tensor, rng_device: str, tenant: str) -> Tensor:
+    """The CPU generator state to resume from a slot file's "rng". Files written by this version hold
+    a CPU (MT19937) state, used as is on every device. Files of earlier versions saved from a CUDA slot
+    hold a Philox state (seed, offset: 16 bytes) that no CPU generator can continue; it is mapped to
+    a CPU generator seeded from both numbers, so the resumed stream is deterministic and distinct
+    per (seed, offset), though not the continuation the GPU would have drawn."""
+    if rng_device == "cpu":
+        return rng
+    if rng_device != "cuda" or rng.numel() != 16:
+        raise IncompatibleError(f"tenant {tenant!r}: cannot resume a {rng_device!r} generator state of "
+                                f"{rng.numel()} bytes")
+    seed, offset = (int(v) for v in rng.to(torch.uint8).view(torch.int64))
+    log.warning("tenant %r: checkpoint from a CUDA slot of an earlier version; its RNG (Philox seed %d, "
+                "offset %d) resumes as a CPU stream seeded from both", tenant, seed, offset)
+    g = torch.Generator()
+    g.manual_seed((seed * 0x9E3779B97F4A7C15 + offset) % (2 ** 63))
+    return g.get_state()
 
 
 def read_slot_file(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:

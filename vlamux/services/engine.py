@@ -6,6 +6,8 @@ import logging
 import threading
 import time
 
+from vlamux.model.device import dtype_name
+
 log = logging.getLogger(__name__)
 
 
@@ -45,5 +47,8 @@ class EngineLoop:
         return self._running and self._thread is not None and self._thread.is_alive()
 
     def metrics(self) -> dict:
+        lane = self.runner.lane
         return {"queue": self.queue.metrics(), "utilization": self.accounting.utilization(),
-                "busy_s": self.accounting.busy_s, "tenants": len(self.runner.slots)}
+                "busy_s": self.accounting.busy_s, "tenants": len(self.runner.slots),
+                "device": str(lane.device), "dtype": dtype_name(lane.dtype), "fuse_heads": self.runner.fuse_heads,
+                "memory": self.runner.pools.stats()}

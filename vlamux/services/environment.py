@@ -146,6 +146,7 @@ class _Session:
     as_observation: bool
     timeout_s: float
     start_timeout_s: float
+    render_device: int | None
     vec: Any  # VectorEnv (or a stand-in with its interface)
     created: float  # wall clock (time.time())
     last_used_mono: float
@@ -194,15 +195,18 @@ class EnvironmentService:
     ``allowed_dataset_roots``: if given, datasets may only be opened under these directories.
     ``env_timeout_s`` / ``start_timeout_s``: defaults of the VectorEnv deadlines.
     ``vector_env_factory(spec, n_envs, n_workers=, timeout_s=, start_timeout_s=)`` builds a session's
-    vectorised env (VectorEnv by default). ``name``: prefixes every session and dataset id, so a
-    runtime running several environment replicas can tell from an id which one holds it.
+    vectorised env (VectorEnv by default; ``render_device=`` is added when a session has one). ``name``:
+    prefixes every session and dataset id, so a runtime running several environment replicas can tell
+    from an id which one holds it. ``render_devices``: GPUs that sessions naming no ``render_device``
+    are given round-robin, for their EGL rendering (ignored where rendering is not on EGL).
     """
 
     def __init__(self, *, max_sessions_per_tenant: int | None = None, max_envs_per_tenant: int | None = None,
                  max_datasets_per_tenant: int | None = None, max_envs_total: int | None = None,
                  env_timeout_s: float = 30.0, start_timeout_s: float = 120.0,
                  allowed_dataset_roots: Sequence[str | Path] | None = None,
-                 vector_env_factory: Callable[..., Any] = VectorEnv, name: str = ""):
+                 vector_env_factory: Callable[..., Any] = VectorEnv, name: str = "",
+                 render_devices: Sequence[int] | None = None):
         for quota, v in (("max_sessions_per_tenant", max_sessions_per_tenant),
                         ("max_envs_per_tenant", max_envs_per_tenant),
                         ("max_datasets_per_tenant", max_datasets_per_tenant), ("max_envs_total", max_envs_total)):
@@ -217,6 +221,8 @@ class EnvironmentService:
         self.allowed_dataset_roots = None if allowed_dataset_roots is None else \
             [Path(r).expanduser().resolve() for r in allowed_dataset_roots]
         self._factory = vector_env_factory
+        self.render_devices = _devices(render_devices)
+        self._next_device = 0  # round-robin position in render_devices
         self.name = name
         self._id_prefix = f"{name}." if name else ""  # a runtime with several replicas routes an id by it
 
@@ -243,14 +249,15 @@ class EnvironmentService:
     def open_session(self, tenant: str, spec: EnvSpec | Mapping, n_envs: int, seed: int | None = None,
                      n_workers: int | None = None, idle_timeout_s: float | None = 300.0, *,
                      timeout_s: float | None = None, start_timeout_s: float | None = None,
-                     as_observation: bool = False) -> str:
+                     as_observation: bool = False, render_device: int | None = None) -> str:
         """Start `n_envs` simulators of `spec` for `tenant`; returns the session id.
 
         seed: used by the first `reset` that gives no seed of its own (sub-env i gets seed + i).
         n_workers: worker processes (default: VectorEnv's, min(n_envs, CPUs)). idle_timeout_s: the
         session is closed after this long without a call (None: never). timeout_s / start_timeout_s:
         the VectorEnv's per-call and worker-start deadlines. as_observation: `reset`/`step` return
-        observations as `Observation`s instead of numpy dicts.
+        observations as `Observation`s instead of numpy dicts. render_device: the GPU the session's
+        simulators render on with EGL (default: the next of the service's ``render_devices``, if any).
         """
         tenant = _tenant(tenant)
         spec = _spec(spec)
@@ -262,6 +269,7 @@ class EnvironmentService:
         timeout_s = self.env_timeout_s if timeout_s is None else _positive("timeout_s", timeout_s)
         start_timeout_s = self.start_timeout_s if start_timeout_s is None else \
             _positive("start_timeout_s", start_timeout_s)
+        render_device = None if render_device is None else _device("render_device", render_device)
 
         with self._lock:
             self._check_open()
@@ -280,15 +288,21 @@ class EnvironmentService:
                                     f"{n_envs} requested, {max(0, self.max_envs_total - total)} free")
             pending[0] += 1
             pending[1] += n_envs
+            if render_device is None and self.render_devices:
+                render_device = self.render_devices[self._next_device % len(self.render_devices)]
+                self._next_device += 1
         vec = None
         try:
+            # only when set: a custom factory written before render devices need not accept it
+            device_kw = {} if render_device is None else {"render_device": render_device}
             vec = self._factory(spec, n_envs, n_workers=n_workers, timeout_s=timeout_s,
-                                start_timeout_s=start_timeout_s)
+                                start_timeout_s=start_timeout_s, **device_kw)
             now, wall = time.monotonic(), time.time()
             s = _Session(id=self._id_prefix + uuid.uuid4().hex, tenant=tenant, spec=spec, n_envs=n_envs,
                          n_workers=int(getattr(vec, "n_workers", n_workers or 1)), seed=seed,
                          idle_timeout_s=idle_timeout_s, as_observation=bool(as_observation), timeout_s=timeout_s,
-                         start_timeout_s=start_timeout_s, vec=vec, created=wall, last_used_mono=now, last_used=wall)
+                         start_timeout_s=start_timeout_s, render_device=render_device, vec=vec, created=wall,
+                         last_used_mono=now, last_used=wall)
             with self._lock:
                 self._check_open()
                 self._sessions[s.id] = s
@@ -780,7 +794,8 @@ class EnvironmentService:
         return {"session_id": s.id, "spec": s.spec, "n_envs": s.n_envs, "n_workers": s.n_workers,
                 "pending_workers": getattr(vec, "pending_workers", None),
                 "created": s.created, "last_used": s.last_used, "idle_s": time.monotonic() - s.last_used_mono,
-                "idle_timeout_s": s.idle_timeout_s, "env_steps": s.counters.env_steps,
+                "idle_timeout_s": s.idle_timeout_s, "render_device": s.render_device,
+                "env_steps": s.counters.env_steps,
                 "step_calls": s.counters.step_calls, "reset_calls": s.counters.reset_calls,
                 "errors": s.counters.errors, "needs_reset": np.array(vec.needs_reset, dtype=bool).tolist(),
                 "worker_restarts": int(getattr(vec, "restarts", 0)), "action_spec": getattr(vec, "action_spec", None)}
@@ -829,6 +844,20 @@ def _count(name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
         raise InvalidInputError(f"{name}: expected a positive int, got {v!r}")
     return int(v)
+
+
+def _device(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise InvalidInputError(f"{name}: expected a non-negative GPU index, got {v!r}")
+    return int(v)
+
+
+def _devices(v) -> list[int]:
+    if v is None:
+        return []
+    if isinstance(v, (str, bytes)) or not isinstance(v, Sequence):
+        raise InvalidInputError(f"render_devices: expected a list of GPU indices or None, got {v!r}")
+    return [_device("render_devices[]", d) for d in v]
 
 
 def _seed(seed) -> int | None:

@@ -31,9 +31,10 @@ class _Predict:
 
 
 class InferenceModelService(EngineLoop):
-    def __init__(self, backbone: Backbone, queue: InferenceQueueConfig | None = None, name: str = "inference-0"):
+    def __init__(self, backbone: Backbone, queue: InferenceQueueConfig | None = None, name: str = "inference-0",
+                 fuse_heads: bool = True):
         self.name = name
-        self.runner = ModelRunner(backbone)
+        self.runner = ModelRunner(backbone, fuse_heads=fuse_heads)
         self.backbone = backbone
         self.queue = InferenceQueue(queue)
         self.accounting = Accounting()
@@ -53,14 +54,17 @@ class InferenceModelService(EngineLoop):
 
     def _apply_staged(self) -> None:
         # Under the lock: a tenant is always either staged or served, never momentarily neither.
+        # The weights are copied on the lane's copy stream, after the producer's copy is complete,
+        # and the next group waits for them: a group runs wholly on one version of each tenant.
         with self._staged_lock:
             staged, self._staged = self._staged, {}
             for tenant, snap in staged.items():
                 slot = self.runner.slots.get(tenant)
-                if slot is None:
-                    self.runner.add_slot(Slot.from_policy(snap, self.backbone.meta, self.backbone.device))
-                elif snap.version >= slot.version:
-                    slot.apply_policy(snap)
+                with self.runner.lane.importing(snap.done):
+                    if slot is None:
+                        self.runner.add_slot(Slot.from_policy(snap, self.backbone.meta, self.backbone.device))
+                    elif snap.version >= slot.version:
+                        slot.apply_policy(snap)
 
     def policy_version(self, tenant: str) -> int | None:
         """The version the tenant's next group will be served with (a staged one counts)."""
@@ -85,9 +89,13 @@ class InferenceModelService(EngineLoop):
     def run_once(self, timeout: float | None = 0.1) -> int:
         """Serve one due group (the engine loop's body); returns the number of requests served."""
         group = self.queue.next_group(timeout)
-        self._apply_staged()
-        if not group:
-            return 0
+        with self.runner.lane.active():  # this replica's own CUDA stream
+            self._apply_staged()
+            if not group:
+                return 0
+            return self._serve(group)
+
+    def _serve(self, group) -> int:
         t0 = time.perf_counter()
         reqs = [Sample(item.tenant, item.payload.obs, item.payload.deterministic) for item in group]
         results = self.runner.execute(reqs)

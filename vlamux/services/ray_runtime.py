@@ -27,14 +27,14 @@ import ray
 import torch
 
 from vlamux.errors import UnknownTenantError
-from vlamux.model import BackboneSpec, HeadSpec, Observation, OptimizerSpec, build_backbone
+from vlamux.model import BackboneSpec, HeadSpec, Observation, OptimizerSpec
 from vlamux.model.slot import PolicySnapshot
 from vlamux.services.control import PolicyPublisher
 from vlamux.services.environment import EnvironmentService, obs_to_observation
 from vlamux.services.health import HealthManager, Role
 from vlamux.services.inference import InferenceModelService
 from vlamux.services.queues import InferenceQueueConfig
-from vlamux.services.runtime import RuntimeConfig, _Recipe
+from vlamux.services.runtime import RuntimeConfig, _Recipe, placed_backbone
 from vlamux.services.training import TrainingModelService
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,11 @@ class _Actor:
 
 
 class InferenceActor(_Actor):
-    def __init__(self, backbone: BackboneSpec, queue: InferenceQueueConfig, name: str, device: str = "cpu",
-                 torch_threads: int | None = None):
+    def __init__(self, backbone: BackboneSpec, queue: InferenceQueueConfig, name: str, device: str = "auto",
+                 torch_threads: int | None = None, dtype: str = "auto", fuse_heads: bool = True):
         self._init(torch_threads)
-        self.svc = InferenceModelService(build_backbone(backbone, device=device), queue, name).start()
+        self.svc = InferenceModelService(placed_backbone(backbone, device, dtype), queue, name,
+                                         fuse_heads=fuse_heads).start()
 
     def stage_policy(self, snap: PolicySnapshot) -> None:
         self.svc.stage_policy(snap)
@@ -96,21 +97,22 @@ class InferenceActor(_Actor):
 
 class TrainingActor(_Actor):
     def __init__(self, backbone: BackboneSpec, max_staleness: int | None, max_group_rows: int | None,
-                 device: str = "cpu", torch_threads: int | None = None):
+                 device: str = "auto", torch_threads: int | None = None, dtype: str = "auto",
+                 fuse_heads: bool = True):
         self._init(torch_threads)
         self.publisher = PolicyPublisher()
         self.publisher.start()
         self._sent: list = []  # stage_policy calls not yet known to have landed (flush waits for them)
         self._sent_lock = threading.Lock()
-        self.svc = TrainingModelService(build_backbone(backbone, device=device), self.publisher, max_staleness,
-                                        max_group_rows).start()
+        self.svc = TrainingModelService(placed_backbone(backbone, device, dtype), self.publisher, max_staleness,
+                                        max_group_rows, fuse_heads=fuse_heads).start()
 
     def subscribe(self, name: str, replica) -> None:
         """New versions go to `replica` from now on, and every tenant's current one goes now: a new or
         restored replica must not wait for a tenant's next step (nor trust the driver's copies,
         which are fetched after the fact) to serve it. A replica keeps the newest of what it gets."""
         self.publisher.subscribe(name, lambda snap: self._track(replica.stage_policy.remote(snap)))
-        current = [slot.export_policy() for slot in list(self.svc.runner.slots.values())]
+        current = [self.export_policy(t) for t in list(self.svc.runner.slots)]
         ray.get([replica.stage_policy.remote(s) for s in current], timeout=CALL_TIMEOUT_S)
 
     def _track(self, ref) -> None:
@@ -166,7 +168,8 @@ class TrainingActor(_Actor):
         return self.svc.tenants()
 
     def export_policy(self, tenant) -> PolicySnapshot:
-        return self.svc.runner.slot(tenant).export_policy()
+        # through the Training Queue (never from the middle of a step), complete before it is pickled
+        return self.svc.export_policy(tenant).result(CALL_TIMEOUT_S).ready()
 
     def restore(self, tenant, head_spec, optim, seed, checkpoint=None, snapshot=None) -> int:
         """Rebuild a tenant's slot after a restart: from its checkpoint, else its newest published policy."""
@@ -210,7 +213,9 @@ class EnvironmentActor(_Actor):
 @dataclass
 class RayRuntimeConfig(RuntimeConfig):
     """RuntimeConfig plus where each role runs. Ray options per role: num_cpus, num_gpus (fractions
-    allowed), resources (e.g. {"node_a": 0.01} pins a role to the node that has that resource)."""
+    allowed), resources (e.g. {"node_a": 0.01} pins a role to the node that has that resource).
+    A role given num_gpus sees only its own GPUs (Ray sets CUDA_VISIBLE_DEVICES in the actor), so
+    its device is "auto" or "cuda:0" there; the RuntimeConfig device fields are read in the actor."""
 
     training_actor: dict = field(default_factory=lambda: {"num_cpus": 0.5})
     inference_actor: dict = field(default_factory=lambda: {"num_cpus": 0.5})
@@ -255,7 +260,8 @@ class RayRuntime:
     def start(self) -> RayRuntime:
         c = self.config
         self.training = self._actor(TrainingActor, c.training_actor).remote(
-            c.backbone, c.max_staleness, c.max_group_rows, c.device, c.torch_threads)
+            c.backbone, c.max_staleness, c.max_group_rows, c.role_device("training"), c.torch_threads, c.dtype,
+            c.fuse_heads)
         self._incarnations["training"] = self._ping(self.training)["incarnation"]
         self.health.watch(self._role("training", lambda: self.training, self._restore_training))
         for _ in range(c.environment_replicas):
@@ -422,9 +428,11 @@ class RayRuntime:
     # ---- inference --------------------------------------------------------------------------------
     def add_inference_replica(self) -> str:
         c = self.config
-        name = f"inference-{next(self._names)}"
-        handle = self._actor(InferenceActor, c.inference_actor, max_concurrency=4096).remote(c.backbone, c.inference_queue, name, c.device,
-                                                                  c.torch_threads)
+        index = next(self._names)
+        name = f"inference-{index}"
+        handle = self._actor(InferenceActor, c.inference_actor, max_concurrency=4096).remote(
+            c.backbone, c.inference_queue, name, c.role_device("inference", index), c.torch_threads, c.dtype,
+            c.fuse_heads)
         self._incarnations[name] = self._ping(handle)["incarnation"]
         with self._lock:
             self.replicas[name] = handle

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vlamux.errors import UnknownTenantError
-from vlamux.model import BackboneSpec, HeadSpec, Observation, OptimizerSpec, build_backbone
+from vlamux.model import Backbone, BackboneSpec, HeadSpec, Observation, OptimizerSpec, build_backbone
+from vlamux.model.device import resolve_device, resolve_dtype
 from vlamux.model.slot import PolicySnapshot
 from vlamux.services.control import PolicyPublisher
 from vlamux.services.environment import EnvironmentService
@@ -29,7 +30,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class RuntimeConfig:
     backbone: BackboneSpec = field(default_factory=BackboneSpec)
-    device: str = "cpu"
+    # Placement. `device` is every model service's unless its role names one: "auto" is CUDA where
+    # present; training and each inference replica may sit on different GPUs ("cuda:0", "cuda:1";
+    # replica i takes inference_devices[i % len]). `dtype` is the backbone's precision ("auto":
+    # bfloat16 on CUDA, float32 on a CPU); heads keep fp32 weights and run under autocast.
+    device: str = "auto"
+    dtype: str = "auto"
+    training_device: str | None = None
+    inference_devices: tuple[str, ...] = ()
+    fuse_heads: bool = True  # heads of one architecture in a group run as one call (vlamux.model.fused)
     inference_replicas: int = 1
     inference_queue: InferenceQueueConfig = field(default_factory=InferenceQueueConfig)
     max_staleness: int | None = None
@@ -38,6 +47,27 @@ class RuntimeConfig:
     hung_after_s: float = 30.0
     env_check_every_s: float = 5.0
     environment: dict = field(default_factory=dict)  # EnvironmentService keyword arguments
+
+    def __post_init__(self):
+        self.inference_devices = tuple(self.inference_devices)
+        for name in (self.device, self.training_device, *self.inference_devices):
+            if name is not None and not isinstance(name, str):
+                raise ValueError(f"runtime config: devices are strings such as 'auto', 'cpu', 'cuda:1'; got {name!r}")
+
+    def role_device(self, role: str, index: int = 0) -> str:
+        """The device a role is placed on: "training" or "inference" (replica `index`), unresolved."""
+        if role == "training":
+            return self.training_device or self.device
+        if role == "inference":
+            return self.inference_devices[index % len(self.inference_devices)] if self.inference_devices \
+                else self.device
+        raise ValueError(f"unknown role {role!r}")
+
+
+def placed_backbone(spec: BackboneSpec, device: str, dtype: str) -> Backbone:
+    """A backbone built for a role's placement (its device and dtype resolved where the role runs)."""
+    dev = resolve_device(device)
+    return build_backbone(spec, device=dev, dtype=resolve_dtype(dtype, dev))
 
 
 @dataclass
@@ -50,7 +80,8 @@ class _Recipe:
 class EmbeddedRuntime:
     def __init__(self, config: RuntimeConfig | None = None):
         self.config = config or RuntimeConfig()
-        self.backbone = build_backbone(self.config.backbone, device=self.config.device)
+        self._backbones: dict[str, Backbone] = {}  # one resident backbone per device, shared by its roles
+        self.backbone = self._backbone_on(self.config.role_device("training"))
         self.publisher = PolicyPublisher()
         self.latest: dict[str, PolicySnapshot] = {}  # newest published version per tenant
         self.publisher.subscribe("runtime", self._remember)
@@ -64,6 +95,7 @@ class EmbeddedRuntime:
         self._checkpoints: dict[str, Path] = {}
         self._lock = threading.RLock()
         self._names = itertools.count()
+        self._devices: dict[str, str] = {}  # replica -> its device
         self._started = False
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -121,9 +153,15 @@ class EmbeddedRuntime:
     def optim_step(self, tenant: str, **kwargs) -> Future:
         return self.training.optim_step(tenant, **kwargs)
 
+    def _backbone_on(self, device: str) -> Backbone:
+        key = str(resolve_device(device))
+        if key not in self._backbones:
+            self._backbones[key] = placed_backbone(self.config.backbone, key, self.config.dtype)
+        return self._backbones[key]
+
     def _new_training(self) -> TrainingModelService:
         return TrainingModelService(self.backbone, self.publisher, self.config.max_staleness,
-                                    self.config.max_group_rows)
+                                    self.config.max_group_rows, fuse_heads=self.config.fuse_heads)
 
     def _restart_training(self) -> None:
         """Rebuild the training role; each tenant comes back from its last checkpoint, else from its
@@ -155,14 +193,17 @@ class EmbeddedRuntime:
 
     # ---- inference --------------------------------------------------------------------------------
     def add_inference_replica(self) -> str:
-        name = f"inference-{next(self._names)}"
+        index = next(self._names)
+        name = f"inference-{index}"
+        self._devices[name] = self.config.role_device("inference", index)
         self._start_replica(name)
         self.health.watch(Role(name, lambda: self.replicas[name].alive(), lambda: self.replicas[name].heartbeat,
                                lambda: self._restart_replica(name)))
         return name
 
     def _start_replica(self, name: str) -> InferenceModelService:
-        svc = InferenceModelService(self.backbone, self.config.inference_queue, name)
+        svc = InferenceModelService(self._backbone_on(self._devices[name]), self.config.inference_queue, name,
+                                    fuse_heads=self.config.fuse_heads)
         self.publisher.subscribe(name, svc.stage_policy)
         for snap in list(self.latest.values()):  # it serves every tenant from its newest version on
             svc.stage_policy(snap)

@@ -41,10 +41,10 @@ class _CreateSlot:
 
 class TrainingModelService(EngineLoop):
     def __init__(self, backbone: Backbone, publisher: PolicyPublisher | None = None, max_staleness: int | None = None,
-                 max_group_rows: int | None = None, name: str = "training"):
+                 max_group_rows: int | None = None, name: str = "training", fuse_heads: bool = True):
         self.name = name
         self.backbone = backbone
-        self.runner = ModelRunner(backbone)
+        self.runner = ModelRunner(backbone, fuse_heads=fuse_heads)
         self.publisher = publisher
         self.queue = TrainingQueue(self.version, max_staleness, max_group_rows)
         self.accounting = Accounting()
@@ -80,6 +80,11 @@ class TrainingModelService(EngineLoop):
             raise InvalidInputError(f"lr: expected a positive number, got {lr!r}")
         return self.queue.submit(TrainOp(tenant, "set_lr", (float(lr), bool(fresh_moments))))
 
+    def export_policy(self, tenant: str) -> Future:
+        """The tenant's current policy version (a PolicySnapshot), taken in order with its other
+        operations, so never from the middle of an optimizer step."""
+        return self.queue.submit(TrainOp(tenant, "export_policy"))
+
     def version(self, tenant: str) -> int:
         slot = self.runner.slots.get(tenant)
         if slot is None:
@@ -94,6 +99,10 @@ class TrainingModelService(EngineLoop):
         batch = self.queue.next_batch(timeout)
         if not batch:
             return 0
+        with self.runner.lane.active():  # this service's own CUDA stream
+            return self._run(batch)
+
+    def _run(self, batch: list[TrainOp]) -> int:
         t0 = time.perf_counter()
         try:
             group = [op for op in batch if op.kind == "forward_backward"]
@@ -137,6 +146,8 @@ class TrainingModelService(EngineLoop):
                 slot.optimizer.state.clear()  # Adam re-initialises them, bias correction included
             slot.optim_spec = dataclasses.replace(slot.optim_spec, lr=lr)
             return {"lr": lr, "fresh_moments": fresh}
+        if op.kind == "export_policy":
+            return self.runner.slot(op.tenant).export_policy(self.runner.lane.export)
         if op.kind == "save_state":
             self.runner.slot(op.tenant).save(op.payload)
             return {"path": str(op.payload), "policy_version": self.version(op.tenant)}
@@ -151,7 +162,9 @@ class TrainingModelService(EngineLoop):
 
     def _publish(self, tenant: str) -> None:
         if self.publisher is not None:
-            self.publisher.publish(self.runner.slot(tenant).export_policy())
+            # copied to the host on the lane's copy stream: the next step need not wait for it
+            with self.runner.lane.active():
+                self.publisher.publish(self.runner.slot(tenant).export_policy(self.runner.lane.export))
 
 
 def _resolve(future: Future, value, error: BaseException | None) -> None:

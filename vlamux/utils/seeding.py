@@ -1,4 +1,9 @@
-"""Seeded construction that leaves every global random stream (CPU and CUDA) as it was."""
+"""Seeded construction that leaves every global random stream as it was.
+
+Modules are built on the CPU and moved to their device afterwards, so only the CPU generator is
+seeded and restored: no CUDA generator is touched and no CUDA context is opened on any GPU (the
+old `torch.manual_seed` + `fork_rng(all devices)` opened one on every visible GPU per slot).
+"""
 
 from __future__ import annotations
 
@@ -14,8 +19,6 @@ _LOCK = threading.RLock()
 
 @contextlib.contextmanager
 def seeded(seed: int):
-    # torch.manual_seed also reseeds every CUDA device, so those states must be saved too.
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-    with _LOCK, torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
+    with _LOCK, torch.random.fork_rng(devices=[]):
+        torch.default_generator.manual_seed(seed)
         yield

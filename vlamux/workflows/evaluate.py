@@ -16,6 +16,7 @@ import numpy as np
 
 from vlamux.envs import EnvSpec
 from vlamux.errors import VlamuxError
+from vlamux.model.device import to_numpy
 from vlamux.services.environment import obs_to_observation
 from vlamux.workflows.rollout import replace_rows
 
@@ -58,7 +59,7 @@ def evaluate(services, tenant: str, env: EnvSpec, tasks: list[str], episodes: in
                     if policy_version is not None and versions != {policy_version}:
                         raise VlamuxError(f"policy_version: asked to evaluate version {policy_version}, the "
                                           f"replica served {sorted(versions)}")
-                    obs, _, term, trunc, infos = env_api.step(tenant, sid, res["actions"].numpy())
+                    obs, _, term, trunc, infos = env_api.step(tenant, sid, to_numpy(res["actions"]))
                     ended = np.asarray(term) | np.asarray(trunc)
                     for i in np.flatnonzero(ended & alive & counts):
                         ok = bool(infos[i].get("is_success", False))

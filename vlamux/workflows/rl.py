@@ -33,11 +33,12 @@ import torch
 
 from vlamux.envs import EnvSpec
 from vlamux.errors import VlamuxError
+from vlamux.model.device import to_numpy
 from vlamux.model.batch import Observation
 from vlamux.model.policy_loss import PolicyLoss
 from vlamux.services.environment import obs_to_observation
 from vlamux.workflows.advantages import gae, group_advantages
-from vlamux.workflows.rollout import Segment, SegmentPool, SegmentShape, replace_rows
+from vlamux.workflows.rollout import Segment, SegmentPool, SegmentShape, gather, replace_rows
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class Sampler:
             out = self.pending
             seg.store(t, self.obs, out, executed)
             obs, reward, term, trunc, infos = self._timed("sampling", self.env.step, self.tenant, self.sid,
-                                                          out["actions"].numpy())
+                                                          to_numpy(out["actions"]))
             done = np.asarray(term) | np.asarray(trunc)
             seg.reward[t].copy_(torch.as_tensor(reward, dtype=torch.float32))
             seg.done[t].copy_(torch.as_tensor(done))
@@ -240,7 +241,7 @@ class Learner:
                                   max_is_weight=cfg.max_is_weight, value_coef=cfg.value_coef,
                                   entropy_coef=cfg.entropy_coef)
                 futures.append((mb, self.services.forward_backward(
-                    self.tenant, _observations(obs_of, mb), actions[mb], mask.expand(len(mb), -1).clone(),
+                    self.tenant, _observations(obs_of, mb), gather(actions, mb), mask.expand(len(mb), -1).clone(),
                     # the queue's staleness guard is for the data's age, not for this update's own passes
                     policy_version=int(versions[mb].min()) if epoch == 0 else None, loss=loss)))
             step = self.services.optim_step(self.tenant)
@@ -304,8 +305,8 @@ def _observations(parts: list, idx: torch.Tensor):
     back = torch.empty(len(idx), dtype=torch.long)
     back[torch.cat(placed)] = torch.arange(len(idx))  # minibatch position -> row of the concatenation
     instructions = [s for p in pieces for s in p.instruction]
-    return Observation({c: torch.cat([p.images[c] for p in pieces])[back] for c in pieces[0].images},
-                       [instructions[i] for i in back.tolist()], torch.cat([p.state for p in pieces])[back])
+    return Observation({c: gather(torch.cat([p.images[c] for p in pieces]), back) for c in pieces[0].images},
+                       [instructions[i] for i in back.tolist()], gather(torch.cat([p.state for p in pieces]), back))
 
 
 class RLRun:

@@ -2,9 +2,11 @@
 
 A segment is T vectorised steps of one sub-batch of n environments. The sampling lane fills a
 buffer, the training lane consumes it and gives it back. Nothing on the rollout path allocates in
-the model's memory: buffers are host tensors (pinned when CUDA is present, so copies to the device
-are asynchronous and the CUDA caching allocator that holds the model never sees them). The pool's
-size also bounds how many segments can be in flight, which throttles the producers.
+the model's memory: buffers are host tensors, pinned when CUDA is present, and the rows a training
+call takes from them are gathered into pinned memory too (`gather`), so their copies to the device
+are asynchronous; on the device they land in the rollout pool (vlamux.model.memory), never in the
+pool that holds the model. The pool's size also bounds how many segments can be in flight, which
+throttles the producers.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ class SegmentShape:
     action_dim: int
 
 
+def gather(src: torch.Tensor, idx: torch.Tensor, pin: bool | None = None) -> torch.Tensor:
+    """Rows `idx` of `src`, gathered straight into a new (pinned, where CUDA is present) host tensor."""
+    pin = torch.cuda.is_available() if pin is None else pin
+    out = torch.empty((len(idx), *src.shape[1:]), dtype=src.dtype, pin_memory=pin)
+    return torch.index_select(src, 0, idx, out=out)
+
+
 class Segment:
     def __init__(self, shape: SegmentShape, pin: bool):
         t, n = shape.steps, shape.n_envs
@@ -36,6 +45,7 @@ class Segment:
             return torch.empty(*dims, dtype=dtype, pin_memory=pin)
 
         self.shape = shape
+        self.pinned = pin
         self.images = {c: empty(t, n, 3, h, w, dtype=torch.uint8) for c, (h, w) in shape.cameras.items()}
         self.state = empty(t, n, shape.state_dim)
         self.actions = empty(t, n, shape.horizon, shape.action_dim)
@@ -63,8 +73,9 @@ class Segment:
     def rows(self, idx: torch.Tensor) -> Observation:
         """The observations of flat rows `idx` (row = t * n + env)."""
         n = self.shape.n_envs
-        flat = {c: v.flatten(0, 1)[idx] for c, v in self.images.items()}
-        return Observation(flat, [self.instruction[int(i) % n] for i in idx], self.state.flatten(0, 1)[idx])
+        flat = {c: gather(v.flatten(0, 1), idx, self.pinned) for c, v in self.images.items()}
+        return Observation(flat, [self.instruction[int(i) % n] for i in idx.tolist()],
+                           gather(self.state.flatten(0, 1), idx, self.pinned))
 
 
 class SegmentPool:

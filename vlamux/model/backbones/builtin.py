@@ -46,6 +46,9 @@ PRESETS: dict[str, BuiltinConfig] = {
     "small": BuiltinConfig(dim=384, depth=12, n_heads=6, image_size=128, patch_size=16),
     # ~86M parameters, ViT-B/16 sized.
     "base": BuiltinConfig(dim=768, depth=12, n_heads=12, image_size=224, patch_size=16),
+    # ~1.0B parameters (12x base): a VLM-sized stand-in for accelerator benchmarks; 4 GB in fp32, so
+    # not for a small CPU machine.
+    "xl": BuiltinConfig(dim=2048, depth=20, n_heads=16, image_size=224, patch_size=16),
 }
 
 

@@ -4,6 +4,13 @@ A head reads only a `VLAFeature` and the proprio state, and works in
 normalised action space (the slot normalises and un-normalises). Every head
 shares one shape: an optional state token followed by per-step tokens, run
 through a `ChunkDecoder` against the features.
+
+Two rules make a head fusable with other tenants' heads of its architecture
+(`vlamux.model.fused`): its maths works over any leading dimensions (one
+tenant's [B, ...] or N tenants' [N, B, ...] with stacked parameters), and its
+randomness is drawn up front by `draw`, on the host, from the tenant's own
+generator, and passed in as tensors. Metrics are 0-d tensors: reading them
+would synchronise the device, so the caller does it once per group.
 """
 
 from __future__ import annotations
@@ -16,8 +23,9 @@ import torch
 from torch import Tensor, nn
 
 from vlamux.errors import InvalidInputError
+from vlamux.model.device import to_device
 from vlamux.model.feature import TokenType, VLAFeature
-from vlamux.model.heads.layers import ChunkDecoder
+from vlamux.model.heads.layers import ChunkDecoder, Linear, broadcast_param
 
 
 @dataclass
@@ -55,22 +63,30 @@ class HeadSpec:
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    """Mean of x [B, H, ...] over the steps where mask [B, H] is True."""
-    m = mask.to(x.dtype).view(*mask.shape, *([1] * (x.dim() - 2)))
-    denom = (m.expand_as(x)).sum().clamp_min(1.0)
-    return (x * m).sum() / denom
+    """Mean of x [..., B, H, ...] over the steps where mask [..., B, H] is True: a 0-d tensor for one
+    tenant's mask [B, H], one mean per tenant for stacked masks [N, B, H]."""
+    m = mask.to(x.dtype).view(*mask.shape, *([1] * (x.dim() - mask.dim())))
+    dims = tuple(range(mask.dim() - 2, x.dim()))
+    denom = m.expand_as(x).sum(dims).clamp_min(1.0)
+    return (x * m).sum(dims) / denom
 
 
 def instruction_summary(feature: VLAFeature) -> Tensor:
-    """Mean of the instruction tokens' features [B, D] (zeros for a row without text)."""
+    """Mean of the instruction tokens' features [..., B, D] (zeros for a row without text)."""
     text = (feature.token_type == TokenType.TEXT) & feature.mask
     w = text.to(feature.hidden.dtype).unsqueeze(-1)
-    return (feature.hidden * w).sum(1) / w.sum(1).clamp_min(1.0)
+    return (feature.hidden * w).sum(-2) / w.sum(-2).clamp_min(1.0)
+
+
+def host_noise(draws: dict[str, Tensor], device) -> dict[str, Tensor]:
+    """Host draws moved to the head's device (pinned, asynchronous where that is a GPU)."""
+    return {k: to_device(v, device) for k, v in draws.items()}
 
 
 class ActionHead(nn.Module):
     kind: ClassVar[str]
     DEFAULT_OPTIONS: ClassVar[dict] = {}
+    INIT_OPTIONS: ClassVar[tuple] = ()  # options read only at initialisation: heads differing only there fuse
     ACTION_NORM: ClassVar[str] = "mean_std"  # how the slot normalises actions for this head
     HAS_VALUE: ClassVar[bool] = False
 
@@ -83,49 +99,71 @@ class ActionHead(nn.Module):
         self.spec = spec
         self.options = {**self.DEFAULT_OPTIONS, **spec.options}
         w = spec.width
-        self.state_proj = nn.Linear(spec.state_dim, w) if spec.state_dim else None
+        self.state_proj = Linear(spec.state_dim, w) if spec.state_dim else None
         self.instruction_proj = None
         if spec.instruction_cond == "adaln":
             cond_dim = cond_dim or w
-            self.instruction_proj = nn.Linear(feature_dim, cond_dim)
+            self.instruction_proj = Linear(feature_dim, cond_dim)
         elif spec.instruction_cond == "add":
-            self.instruction_proj = nn.Linear(feature_dim, w)
+            self.instruction_proj = Linear(feature_dim, w)
         self.step_pos = nn.Parameter(torch.zeros(spec.horizon, w))
         self.decoder = ChunkDecoder(feature_dim, w, spec.depth, spec.n_heads, spec.feature_layers, cond_dim)
-        self.value_head = nn.Linear(w, 1) if self.HAS_VALUE else None
+        self.value_head = Linear(w, 1) if self.HAS_VALUE else None
+
+    def step_tokens(self, feature: VLAFeature) -> Tensor:
+        """Zeros [..., B, H, w] shaped like the rows of `feature` (one tenant's, or N tenants')."""
+        return self.step_pos.new_zeros(*feature.hidden.shape[:-2], self.spec.horizon, self.spec.width)
 
     def decode(self, step_tokens: Tensor, feature: VLAFeature, state: Tensor | None,
                cond: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """Per-step outputs [B, H, w] and a pooled summary [B, w]."""
-        tokens = step_tokens + self.step_pos
+        """Per-step outputs [..., B, H, w] and a pooled summary [..., B, w]."""
+        tokens = step_tokens + broadcast_param(self.step_pos, 2, step_tokens)
         if self.state_proj is not None:
-            tokens = torch.cat([self.state_proj(state)[:, None], tokens], dim=1)
+            tokens = torch.cat([self.state_proj(state).unsqueeze(-2), tokens], dim=-2)
         if self.instruction_proj is not None:
             text = self.instruction_proj(instruction_summary(feature))
             if self.spec.instruction_cond == "add":
-                tokens = tokens + text[:, None]
+                tokens = tokens + text.unsqueeze(-2)
             else:
                 cond = text if cond is None else cond + text
         out = self.decoder(tokens, feature, cond)
-        return out[:, -self.spec.horizon:], out.mean(dim=1)
+        return out[..., -self.spec.horizon:, :], out.mean(dim=-2)
 
     def value(self, pooled: Tensor) -> Tensor:
         # The critic reads the policy's features but does not train them: fitting a fresh critic
         # (PPO's warm-up on an SFT policy) would otherwise rewrite the decoder the actions come from.
-        return self.value_head(pooled.detach()).squeeze(-1)
+        return self.value_head(pooled.detach()).squeeze(-1).float()
 
+    # ---- randomness -------------------------------------------------------------------------------
+    def draw(self, purpose: str, batch: int, generator: torch.Generator, deterministic: bool = False
+             ) -> dict[str, Tensor]:
+        """The random draws of one call (`purpose` "loss" or "sample") for `batch` rows, on the host
+        from `generator` (a CPU generator: the same draws on any device, and a state that moves
+        between devices unchanged; None: torch's global one). None by default."""
+        return {}
+
+    def _noise(self, purpose: str, actions_or_feature, generator, noise, deterministic=False) -> dict:
+        if noise is not None:
+            return noise
+        ref = actions_or_feature.hidden if isinstance(actions_or_feature, VLAFeature) else actions_or_feature
+        return host_noise(self.draw(purpose, ref.shape[0], generator, deterministic), ref.device)
+
+    # ---- the head's maths ---------------------------------------------------------------------------
     def loss(self, feature: VLAFeature, state: Tensor | None, actions: Tensor, action_mask: Tensor,
-             generator: torch.Generator) -> tuple[Tensor, dict[str, float]]:
-        """Supervised loss for normalised `actions` [B, H, A]; metrics are plain floats."""
+             generator: torch.Generator | None = None, noise: dict | None = None
+             ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Supervised loss for normalised `actions` [..., B, H, A] and 0-d (per tenant: [N]) metric
+        tensors. `noise`: this call's draws (`draw("loss", ...)`), else drawn here from `generator`."""
         raise NotImplementedError
 
-    def sample(self, feature: VLAFeature, state: Tensor | None, generator: torch.Generator,
-               deterministic: bool = False) -> dict[str, Tensor]:
-        """{"actions": normalised [B, H, A], ...head-specific extras such as step_log_prob, value}."""
+    def sample(self, feature: VLAFeature, state: Tensor | None, generator: torch.Generator | None = None,
+               deterministic: bool = False, noise: dict | None = None) -> dict[str, Tensor]:
+        """{"actions": normalised [..., B, H, A], ...head-specific extras such as step_log_prob, value}."""
         raise NotImplementedError
 
     def evaluate(self, feature: VLAFeature, state: Tensor | None, actions: Tensor, action_mask: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor | None]:
-        """For RL: log-prob [B] and entropy [B] of normalised `actions` over the masked steps, value [B]."""
+        """For RL: log-prob [..., B] and entropy [..., B] of normalised `actions` over the masked steps,
+        value [..., B]."""
         raise InvalidInputError(f"head kind {self.kind!r} has no action log-probability, so it cannot be trained "
                                 f"with RL; use a gaussian or bins head")

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from vlamux.model.heads.base import ActionHead, masked_mean
+from vlamux.model.heads.layers import Linear
 
 
 class L1ChunkHead(ActionHead):
@@ -12,16 +11,15 @@ class L1ChunkHead(ActionHead):
 
     def __init__(self, spec, feature_dim):
         super().__init__(spec, feature_dim)
-        self.out = nn.Linear(spec.width, spec.action_dim)
+        self.out = Linear(spec.width, spec.action_dim)
 
     def predict(self, feature, state):
-        b = feature.batch_size
-        steps, _ = self.decode(self.step_pos.new_zeros(b, self.spec.horizon, self.spec.width), feature, state)
-        return self.out(steps)
+        steps, _ = self.decode(self.step_tokens(feature), feature, state)
+        return self.out(steps).float()
 
-    def loss(self, feature, state, actions, action_mask, generator):
+    def loss(self, feature, state, actions, action_mask, generator=None, noise=None):
         l1 = masked_mean((self.predict(feature, state) - actions).abs(), action_mask)
-        return l1, {"l1": l1.item()}
+        return l1, {"l1": l1.detach()}
 
-    def sample(self, feature, state, generator, deterministic=False):
+    def sample(self, feature, state, generator=None, deterministic=False, noise=None):
         return {"actions": self.predict(feature, state)}

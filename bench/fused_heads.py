@@ -1,0 +1,171 @@
+"""Fused heads benchmark: N tenants' same-architecture heads one after another vs as one call.
+
+For N tenants (each its own gaussian head: 7-dim actions, horizon 8, 8-dim state) x local batch b,
+on features the backbone computed once (two 32x32 cameras on the tiny preset by default), it times
+in one run, interleaved, the head phase of a group as the model runner executes it:
+  loop    every tenant's head in its own slot, one call each (vlamux's per-tenant path)
+  fused   one call over the tenants' stacked parameters (vlamux.model.fused)
+  vmap    (inference, --vmap) torch.func.vmap + functional_call over the same stacked parameters:
+          the textbook way, measured for comparison
+inference = sampling an action chunk; train = forward_backward (loss and gradients, applied to each
+tenant's slot). Both contenders include the inputs' checks, the tenants' random draws, the
+normalisation and the one host transfer of the results. Writes bench/results/fused_heads.json.
+
+    python bench/fused_heads.py [--quick] [--preset tiny] [--device auto] [--dtype auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, interleaved_medians, parse_grid, print_table, write_json  # noqa: E402
+
+from vlamux.model import (BackboneSpec, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample,  # noqa: E402
+                          build_backbone, canonicalize)
+from vlamux.model.device import add_device_arguments, parse_device_arguments  # noqa: E402
+from vlamux.model.fused import stack_bucket  # noqa: E402
+from vlamux.synthetic import TaskProfile, make_batch  # noqa: E402
+
+FULL_GRID = [(n, b) for n in (1, 2, 4, 8, 16) for b in (1, 4)]
+QUICK_GRID = [(1, 1), (8, 1), (8, 4)]
+TEMPLATES = ["pick up the {color} block", "push {color} cube away", "touch the {color} ball", "grab {color} box now"]
+
+
+def build_cell(backbone, n: int, b: int, kind: str):
+    """A runner with n tenants of one head architecture, their requests' features computed once."""
+    runner = ModelRunner(backbone)
+    g = torch.Generator().manual_seed(100 * n + b)
+    data = []
+    for i in range(n):
+        runner.create_slot(f"tenant{i}", HeadSpec(kind, action_dim=7, horizon=8, state_dim=8), OptimizerSpec(lr=1e-4),
+                           seed=i)
+        profile = TaskProfile({"agentview": (32, 32), "wrist": (32, 32)}, 7, 8, 8, TEMPLATES[i % 4])
+        data.append((f"tenant{i}",) + make_batch(profile, b, g))
+    canon = [canonicalize(obs, backbone.schema, backbone.tokenizer, backbone.device, backbone.dtype)
+             for _, obs, _ in data]
+    with torch.no_grad():
+        features = backbone.forward_group(canon)
+    return runner, data, features
+
+
+class _Sampler(torch.nn.Module):
+    """A head's sampling as a module's forward, for functional_call."""
+
+    def __init__(self, head):
+        super().__init__()
+        self.head = head
+
+    def forward(self, feature, state, noise):
+        return self.head.sample(feature, state, noise=noise)["actions"]
+
+
+def vmap_sampler(runner: ModelRunner, data, features):
+    """Sampling with torch.func.vmap over functional_call: the tenants' parameters stacked, one head's
+    code vmapped over them (features of one shape, as in this benchmark's cells)."""
+    from torch.func import functional_call, stack_module_state, vmap
+
+    slots = [runner.slot(t) for t, _, _ in data]
+    params, buffers = stack_module_state([_Sampler(s.head) for s in slots])
+    base = _Sampler(copy.deepcopy(slots[0].head)).to("meta")
+    meta = features[0].meta
+
+    def one(p, b, h, m, t, state, eps):
+        from vlamux.model.feature import VLAFeature
+
+        return functional_call(base, (p, b), (VLAFeature(h, m, t, meta), state, {"eps": eps}))
+
+    def sample():
+        states = [s.sample_inputs(f, s.check_rows(f.batch_size, obs.state))[1]
+                  for s, f, (_, obs, _) in zip(slots, features, data)]
+        noises = [s.draw("sample", f.batch_size) for s, f in zip(slots, features)]
+        bucket = stack_bucket(features, states, noises)  # padded to one shape, as the fused path does
+        f = bucket.feature
+        with torch.no_grad(), runner.lane.autocast(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "no batching rule for scaled_dot_product_attention": measured as is
+            actions = vmap(one)(params, buffers, f.hidden, f.mask, f.token_type, bucket.state, bucket.noise["eps"])
+        return runner.lane.to_host([s.finish_sample({"actions": a[:n]})["actions"]
+                                    for s, a, n in zip(slots, actions, bucket.rows)])
+
+    return sample
+
+
+def measure_cell(backbone, n: int, b: int, mode: str, kind: str, repeats: int, min_seconds: float,
+                 with_vmap: bool) -> dict:
+    runner, data, features = build_cell(backbone, n, b, kind)
+    if mode == "inference":
+        reqs = [Sample(t, obs) for t, obs, _ in data]
+    else:
+        reqs = [ForwardBackward(t, obs, act) for t, obs, act in data]
+
+    def heads(fuse: bool):
+        def go():
+            for r in runner.run_heads(reqs, features, fuse=fuse):
+                r.unwrap()
+        return go
+
+    contenders = {"loop": heads(False), "fused": heads(True)}
+    if with_vmap and mode == "inference" and kind == "gaussian":
+        contenders["vmap"] = vmap_sampler(runner, data, features)
+    for fn in contenders.values():  # warm-up: allocator, caches of stacked parameters
+        fn()
+        fn()
+    t = interleaved_medians(contenders, repeats, str(backbone.device), min_seconds)
+    cell = {"n_tenants": n, "local_batch": b, "mode": mode, "head": kind, "loop_s": t["loop"],
+            "fused_s": t["fused"], "speedup": t["loop"] / t["fused"]}
+    if "vmap" in t:
+        cell.update(vmap_s=t["vmap"], vmap_speedup=t["loop"] / t["vmap"])
+    return cell
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="cells 1x1, 8x1, 8x4: under a minute")
+    ap.add_argument("--preset", default="tiny", help="backbone preset the features come from")
+    ap.add_argument("--head", default="gaussian", choices=["gaussian", "bins", "flow", "l1_chunk"])
+    ap.add_argument("--grid", default=None, metavar="N:b,...", help="cells to run (default: the full grid)")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--min-seconds", type=float, default=None, help="per contender and cell (default 1; --quick 0.3)")
+    ap.add_argument("--vmap", action="store_true", help="also time torch.func.vmap (inference, gaussian head)")
+    ap.add_argument("--out", default=None, help="result file (default bench/results/fused_heads[_quick].json)")
+    add_device_arguments(ap)
+    args = ap.parse_args(argv)
+    device, dtype = parse_device_arguments(ap, args)
+    grid = parse_grid(args.grid) if args.grid else QUICK_GRID if args.quick else FULL_GRID
+    repeats = args.repeats or (5 if args.quick else 9)
+    backbone = build_backbone(BackboneSpec(preset=args.preset), device=device, dtype=dtype)
+    env = environment(backbone.device, backbone.dtype)  # as built, not as asked
+    print(f"fused heads: {args.head} heads on {args.preset} features, device={device}, dtype={env['dtype']}, "
+          f"threads={env['threads']}, repeats={repeats}", flush=True)
+    cells = []
+    for mode in ("inference", "train"):
+        for n, b in grid:
+            min_s = args.min_seconds if args.min_seconds is not None else 0.3 if args.quick else 1.0
+            cell = measure_cell(backbone, n, b, mode, args.head, repeats, min_s, args.vmap)
+            cell.update(preset=args.preset, device=str(device), dtype=env["dtype"])
+            cells.append(cell)
+            extra = f", vmap {cell['vmap_speedup']:.2f}x" if "vmap_speedup" in cell else ""
+            print(f"  {mode:9s} N={n:2d} b={b}: loop {cell['loop_s'] * 1e3:7.2f} ms  fused {cell['fused_s'] * 1e3:7.2f} "
+                  f"ms  -> {cell['speedup']:.2f}x{extra}", flush=True)
+    print()
+    columns = [("mode", "s"), ("n_tenants", "d"), ("local_batch", "d"), ("loop_s", ".5f"), ("fused_s", ".5f"),
+               ("speedup", ".2f")]
+    print_table(cells, columns)
+    path = write_json("fused_heads_quick.json" if args.quick else "fused_heads.json",
+                      {"cells": cells, "config": {"preset": args.preset, "head": args.head, **env}}, args.out)
+    target = next((c for c in cells if c["mode"] == "inference" and c["n_tenants"] == 8 and c["local_batch"] == 1),
+                  None)
+    if target:
+        print(f"\n8 tenants x b=1, inference: fused {target['speedup']:.2f}x the per-tenant loop (target >= 2 on a CPU)")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

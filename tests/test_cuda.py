@@ -1,0 +1,139 @@
+"""The accelerator path on a GPU: placement, streams, host transfers, the dual pools, fused heads and
+the RL and evaluation workflows with the model services on CUDA. Every test here is marked `cuda`:
+skipped on a machine without one, run by scripts/device_check.py on the lent GPU."""
+
+import pytest
+import torch
+
+from conftest import TENANTS, make_runner, tenant_batches
+from vlamux.envs import EnvSpec
+from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone
+from vlamux.services.queues import InferenceQueueConfig
+from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
+from vlamux.synthetic import TaskProfile
+
+pytestmark = pytest.mark.cuda
+ENV = EnvSpec(task="goal/touch-red-cube", image_size=16, max_steps=12, n_action_steps=2)
+HEAD = HeadSpec("gaussian", action_dim=4, horizon=4, state_dim=8, width=32, depth=1)
+PROFILE = TaskProfile({"top": (40, 56)}, 4, 4, 8, "reach the {color} block")
+
+
+@pytest.fixture(scope="module")
+def gpu_backbone():
+    return build_backbone(BackboneSpec(preset="tiny", seed=0), device="cuda", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset="tiny"), device="cuda",
+                                       inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.005))).start()
+    yield rt
+    rt.stop()
+
+
+def test_auto_places_bf16_backbone_and_fp32_heads_on_cuda(runtime):
+    assert runtime.backbone.device.type == "cuda" and runtime.backbone.dtype == torch.bfloat16
+    runtime.create_slot("placed", HEAD, OptimizerSpec(lr=1e-4)).result(60)
+    slot = runtime.training.runner.slot("placed")
+    assert slot.head.step_pos.device.type == "cuda" and slot.head.step_pos.dtype == torch.float32
+    assert slot.generator.device.type == "cpu"
+
+
+def test_each_service_has_its_own_stream(runtime):
+    lanes = [runtime.training.runner.lane] + [s.runner.lane for s in runtime.replicas.values()]
+    streams = {lane.stream.cuda_stream for lane in lanes} | {lane.copy_stream.cuda_stream for lane in lanes}
+    assert len(streams) == 2 * len(lanes)
+    assert torch.cuda.default_stream().cuda_stream not in streams
+
+
+def test_outputs_leave_the_services_on_the_host(runtime):
+    runtime.create_slot("host", HEAD, OptimizerSpec(lr=1e-4)).result(60)
+    assert runtime.publisher.flush(10)
+    obs, actions = tenant_batches(batch=2, tenants={"host": (HEAD, PROFILE)})["host"]
+    out = runtime.predict("host", obs).result(60)
+    assert all(v.device.type == "cpu" for v in out.values() if isinstance(v, torch.Tensor))
+    fb = runtime.forward_backward("host", obs, actions).result(60)
+    assert isinstance(fb["loss"], float)
+    assert isinstance(runtime.optim_step("host").result(60)["grad_norm"], float)
+
+
+def test_no_device_wide_synchronize_while_serving(gpu_backbone, monkeypatch):
+    runner = make_runner(gpu_backbone)
+    data = tenant_batches(batch=2)
+    runner.execute([Sample(t, obs) for t, (obs, _) in data.items()])  # warm-up
+
+    def refuse(*a, **k):
+        raise AssertionError("torch.cuda.synchronize on the hot path")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+    for r in runner.execute([Sample(t, obs) for t, (obs, _) in data.items()]
+                            + [ForwardBackward(t, obs, act) for t, (obs, act) in data.items()]):
+        assert r.ok, r.error
+        assert r.head_s > 0 and r.backbone_s > 0  # timed by CUDA events
+    for t in TENANTS:
+        assert runner.optim_step(t).ok
+
+
+def test_rollout_inputs_land_in_the_rollout_pool(gpu_backbone):
+    from vlamux.model.memory import memory_pools
+
+    pools = memory_pools("cuda")
+    if not pools.separate:
+        pytest.skip("this torch has no torch.cuda.MemPool")
+    runner = make_runner(gpu_backbone)
+    data = tenant_batches(batch=16)
+    runner.execute([Sample(t, obs) for t, (obs, _) in data.items()])
+    stats = pools.stats()
+    assert stats["rollout"]["reserved_bytes"] > 0 and stats["model"]["reserved_bytes"] > 0
+    assert stats["rollout"]["peak_allocated_bytes"] >= stats["rollout"]["allocated_bytes"]
+
+
+def test_fused_heads_equal_the_loop_on_cuda_in_fp32(gpu_backbone):
+    runner = ModelRunner(gpu_backbone)
+    for i in range(6):
+        runner.create_slot(f"t{i}", HEAD, OptimizerSpec(lr=1e-3 * (i + 1)), seed=i)
+    data = tenant_batches(batch=3, tenants={f"t{i}": (HEAD, PROFILE) for i in range(6)})
+    reqs = [Sample(t, obs) for t, (obs, _) in data.items()]
+    from vlamux.model import canonicalize
+
+    with torch.no_grad():
+        feats = gpu_backbone.forward_group([canonicalize(r.obs, gpu_backbone.schema, gpu_backbone.tokenizer, "cuda")
+                                            for r in reqs])
+    state = [s.generator.get_state() for s in runner.slots.values()]
+    fused = runner.run_heads(reqs, feats, fuse=True)
+    for s, st in zip(runner.slots.values(), state):
+        s.generator.set_state(st)  # the same draws again
+    loop = runner.run_heads(reqs, feats, fuse=False)
+    for a, b in zip(fused, loop):
+        assert (a.output["actions"] - b.output["actions"]).abs().max() <= 1e-4
+
+
+def test_a_slot_resumes_on_another_gpu(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("one GPU")
+    a = build_backbone(BackboneSpec(preset="tiny"), device="cuda:0")
+    b = build_backbone(BackboneSpec(preset="tiny"), device="cuda:1")
+    ra, rb = ModelRunner(a), ModelRunner(b)
+    slot = ra.create_slot("x", HEAD)
+    slot.save(tmp_path / "x.safetensors")
+    other = rb.create_slot("x", HEAD)
+    other.load_state(tmp_path / "x.safetensors")
+    assert torch.equal(other.generator.get_state(), slot.generator.get_state())
+
+
+def test_rl_and_evaluation_run_with_the_services_on_cuda(runtime):
+    """The workflows turn the services' actions into simulator steps: on CUDA they must not call
+    .numpy() on a device tensor (the crash this issue began with)."""
+    from vlamux.workflows.evaluate import evaluate
+    from vlamux.workflows.rl import RLConfig, RLRun
+
+    runtime.create_slot("rl", HEAD, OptimizerSpec(lr=1e-4)).result(60)
+    assert runtime.publisher.flush(10)
+    for mode in ("async", "sync"):
+        cfg = RLConfig(env=ENV, mode=mode, env_steps=64, n_envs=2, sub_batches=2, segment_steps=4, max_staleness=1,
+                       minibatch_rows=4)
+        stats = RLRun(runtime, "rl", cfg).run()
+        assert stats.env_steps >= 64 and stats.segments_trained >= 1
+    assert runtime.publisher.flush(10)
+    res = evaluate(runtime, "rl", ENV, [ENV.task], episodes=2, n_envs=2)
+    assert res["tasks"][ENV.task]["episodes"] == 2

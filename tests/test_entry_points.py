@@ -1,0 +1,130 @@
+"""Every entry point takes --device and --dtype and they reach the model services: each test asks for
+bfloat16 (not the CPU's default) and reads the dtype back from what was built, not from the flags.
+The benchmarks async_rl and multi_tenant are checked the same way by the device check's dry run
+(tests/test_device_check.py); the main job by tests/test_main_job.py."""
+
+import json
+import sys
+from pathlib import Path
+
+import click
+import pytest
+import torch
+from click.testing import CliRunner
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def test_serve_places_the_services_as_asked(tmp_path):
+    from vlamux.api.host import ServiceHost
+    from vlamux.cli import serve_config
+
+    config = serve_config(tmp_path, "tiny", "cpu", "bfloat16", "cpu", "cpu,cpu", 2, None, None, 8.0)
+    assert config.inference_devices == ("cpu", "cpu") and config.inference_replicas == 2
+    host = ServiceHost(config)
+    host.start()
+    try:
+        m = host.runtime.metrics()
+        assert (m["training"]["device"], m["training"]["dtype"]) == ("cpu", "bfloat16")
+        assert [(r["device"], r["dtype"]) for r in m["inference"].values()] == [("cpu", "bfloat16")] * 2
+        assert host.runtime.backbone.dtype == torch.bfloat16
+        from vlamux.api.prometheus import render
+
+        text = render(host).decode()
+        assert 'vlamux_service_placement{device="cpu",dtype="bfloat16",fuse_heads="true",service="training"}' in text
+    finally:
+        host.stop()
+
+
+@pytest.mark.parametrize("args, hint", [(["--device", "cuda:7"], "--device"), (["--dtype", "float16"], "--dtype"),
+                                        (["--inference-devices", "cpu,quantum"], "--inference-devices")])
+def test_serve_refuses_a_placement_this_machine_cannot_run(tmp_path, args, hint):
+    from vlamux.cli import main
+
+    res = CliRunner().invoke(main, ["serve", "--data-dir", str(tmp_path), *args])
+    assert res.exit_code == 2 and hint in res.output, res.output
+    assert not (tmp_path / "store.sqlite").exists()
+
+
+def test_serve_config_checks_every_role_device():
+    from vlamux.cli import serve_config
+
+    with pytest.raises(click.BadParameter) as e:
+        serve_config(Path("x"), "tiny", "cpu", "auto", "cuda:3", None, 1, None, None, 8.0)
+    assert e.value.param_hint == "--training-device" and "cuda:3" in str(e.value)
+
+
+def test_runtime_places_roles_on_their_devices():
+    from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
+
+    cfg = RuntimeConfig(device="cpu", dtype="bfloat16", inference_devices=("cpu",), inference_replicas=2)
+    assert cfg.role_device("training") == "cpu" and cfg.role_device("inference", 1) == "cpu"
+    with EmbeddedRuntime(cfg) as rt:
+        assert len(rt.replicas) == 2
+        assert all(s.backbone is rt.backbone for s in rt.replicas.values())  # one resident copy per device
+        assert rt.training.runner.lane.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="cuda"):
+        EmbeddedRuntime(RuntimeConfig(training_device="cuda:5"))
+
+
+def test_ray_runtime_config_names_each_roles_device():
+    pytest.importorskip("ray")
+    from vlamux.services.ray_runtime import RayRuntimeConfig
+
+    cfg = RayRuntimeConfig(device="auto", training_device="cuda:0", inference_devices=("cuda:1", "cuda:2"))
+    assert [cfg.role_device("inference", i) for i in range(3)] == ["cuda:1", "cuda:2", "cuda:1"]
+    assert cfg.role_device("training") == "cuda:0"
+
+
+def test_demo_runs_in_the_chosen_precision(capsys):
+    from vlamux import demo
+
+    assert demo.main(["--steps", "2", "--batch", "2", "--timing-steps", "1", "--device", "cpu", "--dtype",
+                      "bfloat16"]) == 0
+    assert "on cpu (bfloat16)" in capsys.readouterr().out
+
+
+def test_demo_refuses_a_device_it_cannot_use(capsys):
+    from vlamux import demo
+
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--device", "cuda:9"])
+    assert e.value.code == 2 and "cuda:9" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("group_batching", ["--preset", "tiny", "--grid", "2:1", "--repeats", "1", "--min-seconds", "0"]),
+    ("fused_heads", ["--preset", "tiny", "--grid", "2:1", "--repeats", "1", "--min-seconds", "0"]),
+    ("inference_serving", ["--preset", "tiny", "--sessions", "1,2", "--seconds", "0.3"]),
+])
+def test_benchmarks_build_their_models_as_asked(tmp_path, script, argv):
+    import importlib
+
+    mod = importlib.import_module(script)
+    out = tmp_path / f"{script}.json"
+    assert mod.main([*argv, "--device", "cpu", "--dtype", "bfloat16", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    cells = result if isinstance(result, list) else result.get("cells")
+    if script == "inference_serving":
+        assert result["config"]["dtype"] == "bfloat16"
+    else:
+        assert cells and all(c["dtype"] == "bfloat16" for c in cells)
+
+
+def test_api_load_benchmark_reads_the_servers_placement(tmp_path):
+    import api_load
+
+    out = tmp_path / "api_load.json"
+    api_load.main(["--clients", "1", "--seconds", "1", "--device", "cpu", "--dtype", "bfloat16", "--out", str(out)])
+    placement = json.loads(out.read_text())["placement"]
+    assert placement["training"] == {"device": "cpu", "dtype": "bfloat16"}
+
+
+def test_env_throughput_takes_a_render_device_instead():
+    """It runs no model (so no --device/--dtype): its device choice is where EGL renders (recorded and
+    ignored under OSMesa, as here)."""
+    import env_throughput
+
+    spec = env_throughput.BACKENDS["tabletop"]
+    assert env_throughput.measure(spec.__class__(task=spec.task, image_size=32), 1, 1, 0.3, render_device=0) > 0
