@@ -93,26 +93,35 @@ def parse_grid(text: str) -> list[tuple[int, int]]:
 
 
 class PoolSampler:
-    """Samples a device's memory pools (vlamux.model.memory) on a thread while a benchmark runs, so
-    the result can report each pool's peak; a no-op on a CPU. Use as a context manager."""
+    """Samples a device's memory by pool (vlamux.model.memory: the model's, and every service's
+    rollout pool together) on a thread while a benchmark runs, keeping each pool's peak; zeros on a
+    CPU. Use as a context manager; `last` holds the final reading with the peaks."""
 
     def __init__(self, device, every_s: float = 0.1):
         import threading
 
-        from vlamux.model.memory import memory_pools
-
-        self.pools = memory_pools(device)
+        self.device = device
         self.every_s = every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self.peak = {"model": 0, "rollout": 0}
         self.last: dict = {}
+
+    def _read(self) -> dict:
+        from vlamux.model.memory import device_memory
+
+        out = device_memory(self.device)
+        for pool in self.peak:
+            self.peak[pool] = max(self.peak[pool], out[pool]["allocated_bytes"])
+            out[pool]["peak_allocated_bytes"] = self.peak[pool]
+        return out
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            self.last = self.pools.stats()
+            self.last = self._read()
 
     def __enter__(self) -> "PoolSampler":
-        if str(self.pools.device).startswith("cuda"):
+        if str(self.device).startswith("cuda"):
             self._thread.start()
         return self
 
@@ -120,4 +129,4 @@ class PoolSampler:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(5)
-        self.last = self.pools.stats()
+        self.last = self._read()

@@ -75,15 +75,12 @@ def test_no_device_wide_synchronize_while_serving(gpu_backbone, monkeypatch):
 
 
 def test_rollout_inputs_land_in_the_rollout_pool(gpu_backbone):
-    from vlamux.model.memory import memory_pools
-
-    pools = memory_pools("cuda")
-    if not pools.separate:
-        pytest.skip("this torch has no torch.cuda.MemPool")
     runner = make_runner(gpu_backbone)
+    if not runner.pools.separate:
+        pytest.skip("this torch has no torch.cuda.MemPool")
     data = tenant_batches(batch=16)
     runner.execute([Sample(t, obs) for t, (obs, _) in data.items()])
-    stats = pools.stats()
+    stats = runner.pools.stats()
     assert stats["rollout"]["reserved_bytes"] > 0 and stats["model"]["reserved_bytes"] > 0
     assert stats["rollout"]["peak_allocated_bytes"] >= stats["rollout"]["allocated_bytes"]
 
@@ -100,7 +97,9 @@ def test_fused_heads_equal_the_loop_on_cuda_in_fp32(gpu_backbone):
         feats = gpu_backbone.forward_group([canonicalize(r.obs, gpu_backbone.schema, gpu_backbone.tokenizer, "cuda")
                                             for r in reqs])
     state = [s.generator.get_state() for s in runner.slots.values()]
+    calls = runner.fused.calls
     fused = runner.run_heads(reqs, feats, fuse=True)
+    assert runner.fused.calls == calls + 1  # fused, not fallen back to the loop
     for s, st in zip(runner.slots.values(), state):
         s.generator.set_state(st)  # the same draws again
     loop = runner.run_heads(reqs, feats, fuse=False)

@@ -13,7 +13,7 @@ import torch
 from conftest import TENANTS, make_runner, tenant_batches
 from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, OptimizerSpec, Sample, Slot, build_backbone
 from vlamux.model.device import Lane, resolve_device, resolve_dtype, to_device, to_numpy
-from vlamux.model.memory import memory_pools
+from vlamux.model.memory import MemoryPools, device_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = Path(__file__).with_name("fixtures") / "cuda_slot_v1.safetensors"
@@ -102,11 +102,12 @@ def test_to_device_leaves_a_tensor_already_there_alone():
     assert to_device(t, None, torch.float64).dtype == torch.float64
 
 
-def test_memory_pools_exist_on_a_cpu_and_read_zero():
-    pools = memory_pools("cpu")
-    assert pools is memory_pools(torch.device("cpu"))  # one per device, shared by its services
+def test_memory_pools_exist_on_a_cpu_and_read_zero(backbone):
+    pools = MemoryPools("cpu")
     with pools.rollout():
         torch.ones(10)
+    assert device_memory("cpu")["rollout"]["allocated_bytes"] == 0
+    assert make_runner(backbone).pools is not make_runner(backbone).pools  # one per model service
     stats = pools.stats()
     assert stats["separate"] is False
     assert {k: v for k, v in stats["model"].items()} == {"reserved_bytes": 0, "allocated_bytes": 0,

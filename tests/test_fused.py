@@ -102,6 +102,7 @@ def test_execute_fuses_a_group_and_matches_unfused_execution(backbone):
     reqs = [Sample(t, obs) for t, (obs, _) in data.items()]
     a, b = fused.execute(reqs), plain.execute(reqs)
     assert all(r.group_size == len(reqs) for r in a)
+    assert fused.fused.calls == 1 and plain.fused is None  # one fused call, no fallback
     for x, y in zip(a, b):
         assert diff(x.output, y.output) <= TOL
     # the fused call's time is split over the tenants by rows, like the backbone's
@@ -229,3 +230,35 @@ def test_stacked_parameters_follow_each_optimizer_step(backbone):
     assert diff(again[3].output, first[3].output) > 1e-4  # t3 moved ...
     for x, y in zip(again, ref):
         assert diff(x.output, y.output) <= TOL  # ... and the fused call serves its new weights
+
+
+def test_the_stack_cache_never_serves_a_removed_tenants_weights(backbone):
+    """A slot that leaves and a new one of the same architecture (possibly at a reused id) get a
+    fresh stack: the new tenant is served its own weights."""
+    fused, loop = runners(backbone, "l1_chunk")
+    reqs = [Sample(t, obs, True) for t, (obs, _) in batches(13).items()]
+    feats = _features(fused, reqs)
+    fused.run_heads(reqs, feats, fuse=True)
+    for r in (fused, loop):
+        r.remove_slot("t2")
+        r.create_slot("t2", spec("l1_chunk"), OptimizerSpec(lr=1e-3), seed=999)  # other weights
+    for x, y in zip(fused.run_heads(reqs, feats, fuse=True), loop.run_heads(reqs, feats, fuse=False)):
+        assert diff(x.output, y.output) <= TOL, x.tenant
+
+
+def test_a_failed_fused_call_falls_back_to_each_tenant_alone(backbone, monkeypatch):
+    """Two requests of one tenant in the bucket: the fallback rewinds its generator to the first."""
+    fused, loop = runners(backbone, "gaussian")
+    data = batches(17)
+    reqs = [Sample("t0", data["t0"][0]), Sample("t1", data["t1"][0]), Sample("t0", data["t0"][0])]
+
+    def broken(*a, **k):
+        raise RuntimeError("a kernel failed")
+
+    monkeypatch.setattr(fused.fused, "sample", broken)
+    a = fused.execute(reqs)
+    b = loop.execute(reqs, grouped=False)
+    for x, y in zip(a, b):
+        assert x.ok and diff(x.output, y.output) <= TOL
+    for t in ("t0", "t1"):
+        assert torch.equal(fused.slot(t).generator.get_state(), loop.slot(t).generator.get_state())

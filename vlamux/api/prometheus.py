@@ -29,7 +29,7 @@ class _Collector:
                                    "allocated; zero on a CPU", labels=["device", "pool", "kind"])
         info = GaugeMetricFamily("vlamux_service_placement", "Where each model service runs (value 1)",
                                  labels=["service", "device", "dtype", "fuse_heads"])
-        pools_seen = set()
+        pools_seen: dict = {}
         queues = [("training", "training", m["training"])] + [("inference", n, v) for n, v in m["inference"].items()]
         for queue, name, svc in queues:
             q = svc["queue"]
@@ -44,11 +44,14 @@ class _Collector:
             if "device" in svc:
                 info.add_metric([name, svc["device"], svc["dtype"], str(svc.get("fuse_heads", False)).lower()], 1)
             mem, device = svc.get("memory"), svc.get("device", "cpu")
-            if mem and device not in pools_seen:  # services on one device share its pools
-                pools_seen.add(device)
-                for pool in ("model", "rollout"):
-                    for kind in ("reserved", "allocated", "peak_allocated"):
-                        memory.add_metric([device, pool, kind], mem[pool][f"{kind}_bytes"])
+            if mem:  # the model pool is the device's; each service has a rollout pool of its own
+                per_device = pools_seen.setdefault(device, {"model": mem["model"], "rollout": {}})
+                for kind, v in mem["rollout"].items():
+                    per_device["rollout"][kind] = per_device["rollout"].get(kind, 0) + v
+        for device, pools in pools_seen.items():
+            for pool in ("model", "rollout"):
+                for kind in ("reserved", "allocated", "peak_allocated"):
+                    memory.add_metric([device, pool, kind], pools[pool].get(f"{kind}_bytes", 0))
         env = m["environment"]
         util.add_metric(["environment"], env["utilization"])
         busy.add_metric(["environment"], env["busy_s"])

@@ -134,6 +134,9 @@ class Lane:
         if not self.cuda:
             yield self
             return
+        # The lane's stream does not wait for the legacy default stream by itself (it is created
+        # non-blocking): order it after whatever the caller queued there (inputs, loads).
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             yield self
 
@@ -143,14 +146,20 @@ class Lane:
         event of the producer's copies, or None) and after the work queued so far; the next work
         queued on this lane waits for them, so they land between two groups."""
         if not self.cuda:
+            if ready is not None:  # a GPU producer's copies, read here by the host
+                ready.synchronize()
             yield
             return
         self.copy_stream.wait_stream(self.stream)
         if ready is not None:
             self.copy_stream.wait_event(ready)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
-            yield
-        self.stream.wait_stream(self.copy_stream)
+        try:
+            # What is allocated here belongs to the copy stream; it is safe to read on the lane's,
+            # because every block reused here was first waited for (wait_stream above).
+            with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
+                yield
+        finally:
+            self.stream.wait_stream(self.copy_stream)
 
     def export(self, tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], object]:
         """Host copies of `tensors` (a policy version) and an event that marks them complete (None

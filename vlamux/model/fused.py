@@ -44,6 +44,7 @@ class StackedHeads:
     """N heads of one architecture as one module whose parameters are theirs, stacked [N, ...]."""
 
     def __init__(self, slots: list[Slot]):
+        self.slots = list(slots)
         self.module = copy.deepcopy(slots[0].head)
         self.names = [n for n, p in slots[0].head.named_parameters() if p.requires_grad]
         self.params: list[nn.Parameter] = []
@@ -91,11 +92,14 @@ class FusedHeads:
     def __init__(self, max_cached: int = 16):
         self.max_cached = max_cached
         self._cache: OrderedDict[tuple, StackedHeads] = OrderedDict()
+        self.calls = 0  # fused calls made (a fallback to the per-tenant path does not count)
 
     def stacked(self, slots: list[Slot]) -> StackedHeads:
         key = tuple(id(s) for s in slots)
         heads = self._cache.get(key)
-        if heads is None:
+        # an id can be reused by a new slot once an old one is gone: the entry holds its slots and is
+        # only taken for the very same ones (another tenant's weights must never be served)
+        if heads is None or any(a is not b for a, b in zip(heads.slots, slots)):
             heads = self._cache[key] = StackedHeads(slots)
             while len(self._cache) > self.max_cached:
                 self._cache.popitem(last=False)
@@ -103,6 +107,11 @@ class FusedHeads:
             self._cache.move_to_end(key)
             heads.refresh(slots)
         return heads
+
+    def forget(self, slot: Slot) -> None:
+        """Drop every cached stack that holds `slot` (it left the runner)."""
+        for key in [k for k, h in self._cache.items() if any(s is slot for s in h.slots)]:
+            del self._cache[key]
 
     # ---- sampling ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -112,6 +121,7 @@ class FusedHeads:
         heads = self.stacked(slots)
         b = stack_bucket(features, states, noises)
         out = heads.module.sample(b.feature, b.state, deterministic=deterministic, noise=b.noise)
+        self.calls += 1
         return [{k: v[i, :n] for k, v in out.items()} for i, n in enumerate(b.rows)]
 
     # ---- training ---------------------------------------------------------------------------------
@@ -139,6 +149,7 @@ class FusedHeads:
             # views of the stacked gradient: disjoint slices, one per request
             mine = [None if g is None else g[i] for g in grads]
             out.append(Slot.pending(loss_i, metrics_i, extra_i, mine, rngs[i]))
+        self.calls += 1
         return out
 
 

@@ -1,12 +1,14 @@
 """Dual-pool device memory (D-VLA): rollout-side allocations and model allocations kept apart.
 
 The model's pool holds what the model services own (backbone weights, heads, optimizer state,
-activations); the rollout pool holds what the data plane brings in (observations and trajectory
-segments copied to the device, and their preprocessing). Kept apart, a burst of rollout traffic
-cannot fragment the model's memory, and each side's footprint can be read on its own.
+activations); the rollout pools hold what the data plane brings in (observations, states, actions
+and RL targets copied to the device, and their preprocessing). Kept apart, a burst of rollout
+traffic cannot fragment the model's memory, and each side's footprint can be read on its own.
 
-On CUDA the rollout pool is a `torch.cuda.MemPool` of the caching allocator: allocations made on a
-thread inside `pools.rollout()` land there. On a CPU (or a torch without MemPool) the same
+On CUDA a rollout pool is a `torch.cuda.MemPool` of the caching allocator: allocations made on a
+thread inside `pools.rollout()` land there. The allocator lets only one thread route into a pool at
+a time, so each model service (its engine thread) has a pool of its own, and the model's share of
+the device is what the rollout pools do not hold. On a CPU (or a torch without MemPool) the same
 interface exists and does nothing; its stats read zero.
 """
 
@@ -15,35 +17,41 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import weakref
 
 import torch
 
 log = logging.getLogger(__name__)
 
-_POOLS: dict[str, MemoryPools] = {}
 _LOCK = threading.Lock()
+_ON_DEVICE: dict[str, weakref.WeakSet] = {}  # device -> the rollout pools made on it
 
 
-def memory_pools(device: torch.device | str) -> MemoryPools:
-    """The pools of `device`, shared by every service on it (one rollout pool per GPU)."""
-    key = str(torch.device(device))
-    with _LOCK:
-        if key not in _POOLS:
-            _POOLS[key] = MemoryPools(torch.device(device))
-        return _POOLS[key]
+def _key(device: torch.device | str) -> torch.device:
+    d = torch.device(device)
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
 
 
 class MemoryPools:
-    def __init__(self, device: torch.device):
-        self.device = device
+    """One model service's rollout pool, and its view of the device's model pool."""
+
+    def __init__(self, device: torch.device | str):
+        self.device = _key(device)
         self.rollout_pool = None
         self._peak = {"model": 0, "rollout": 0}
-        if device.type == "cuda":
-            if hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool"):
-                self.rollout_pool = torch.cuda.MemPool()
-            else:
-                log.warning("torch %s has no torch.cuda.MemPool: rollout and model memory share one pool",
-                            torch.__version__)
+        self._lock = threading.Lock()
+        if self.device.type != "cuda":
+            return
+        if not (hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")):
+            log.warning("torch %s has no torch.cuda.MemPool: rollout and model memory share one pool",
+                        torch.__version__)
+            return
+        with torch.cuda.device(self.device):  # a MemPool belongs to the device current when it is made
+            self.rollout_pool = torch.cuda.MemPool()
+        with _LOCK:
+            _ON_DEVICE.setdefault(str(self.device), weakref.WeakSet()).add(self)
 
     @property
     def separate(self) -> bool:
@@ -55,21 +63,40 @@ class MemoryPools:
             return contextlib.nullcontext()
         return torch.cuda.use_mem_pool(self.rollout_pool, self.device)
 
+    def bytes(self) -> tuple[int, int]:
+        """(reserved, allocated) bytes of this rollout pool."""
+        return _pool_bytes(self.rollout_pool) if self.rollout_pool is not None else (0, 0)
+
     def stats(self) -> dict:
-        """{"model": {...}, "rollout": {...}}: reserved and allocated bytes now, and the peak
-        allocated bytes seen by any call of this method (sample it to follow a run)."""
-        out = {"model": {"reserved_bytes": 0, "allocated_bytes": 0},
-               "rollout": {"reserved_bytes": 0, "allocated_bytes": 0}, "separate": self.separate}
-        if self.device.type == "cuda":
-            reserved = torch.cuda.memory_reserved(self.device)
-            allocated = torch.cuda.memory_allocated(self.device)
-            r_res, r_alloc = _pool_bytes(self.rollout_pool) if self.rollout_pool is not None else (0, 0)
-            out["rollout"] = {"reserved_bytes": r_res, "allocated_bytes": r_alloc}
-            out["model"] = {"reserved_bytes": max(0, reserved - r_res), "allocated_bytes": max(0, allocated - r_alloc)}
-        for name in ("model", "rollout"):
-            self._peak[name] = max(self._peak[name], out[name]["allocated_bytes"])
-            out[name]["peak_allocated_bytes"] = self._peak[name]
+        """{"model": the device's model pool, "rollout": this service's pool}: reserved and allocated
+        bytes now, and the peak allocated bytes seen by any call of this method (sample it to follow
+        a run). Reading them walks the allocator's segments: a monitoring call, not a hot-path one."""
+        out = device_memory(self.device, own=self)
+        with self._lock:
+            for name in ("model", "rollout"):
+                self._peak[name] = max(self._peak[name], out[name]["allocated_bytes"])
+                out[name]["peak_allocated_bytes"] = self._peak[name]
         return out
+
+
+def device_memory(device: torch.device | str, own: MemoryPools | None = None) -> dict:
+    """The device's memory by pool: "model" (everything but the rollout pools) and "rollout" (`own`'s
+    pool, or every service's rollout pools on the device together); zeros on a CPU."""
+    device = _key(device)
+    out = {"model": {"reserved_bytes": 0, "allocated_bytes": 0},
+           "rollout": {"reserved_bytes": 0, "allocated_bytes": 0},
+           "separate": own.separate if own is not None else bool(_ON_DEVICE.get(str(device)))}
+    if device.type != "cuda":
+        return out
+    with _LOCK:
+        pools = list(_ON_DEVICE.get(str(device), ()))
+    per = {id(p): p.bytes() for p in pools}
+    all_res, all_alloc = sum(r for r, _ in per.values()), sum(a for _, a in per.values())
+    mine = per.get(id(own), (0, 0)) if own is not None else (all_res, all_alloc)
+    out["rollout"] = {"reserved_bytes": mine[0], "allocated_bytes": mine[1]}
+    out["model"] = {"reserved_bytes": max(0, torch.cuda.memory_reserved(device) - all_res),
+                    "allocated_bytes": max(0, torch.cuda.memory_allocated(device) - all_alloc)}
+    return out
 
 
 def _pool_bytes(pool) -> tuple[int, int]:

@@ -57,12 +57,19 @@ class NormStats:
 
     def to(self, device) -> NormStats:
         """A private copy on `device` (never shares storage with the caller's tensors)."""
-        out = object.__new__(NormStats)  # checked once when made; re-checking on a GPU would wait for it
+        moved = {}
         for f in _FIELDS:
             src = getattr(self, f)
             t = to_device(src, device, torch.float32)
-            object.__setattr__(out, f, t.clone() if t.data_ptr() == src.data_ptr() else t)
-        out.mode = self.mode
+            moved[f] = t.clone() if t.data_ptr() == src.data_ptr() else t
+        return NormStats._unchecked(moved, self.mode)  # checked once when made: re-checking on a GPU would wait
+
+    @staticmethod
+    def _unchecked(fields: dict[str, Tensor], mode: str) -> NormStats:
+        out = object.__new__(NormStats)
+        for f in _FIELDS:
+            object.__setattr__(out, f, fields[f])
+        out.mode = mode
         return out
 
     def normalize(self, x: Tensor) -> Tensor:
@@ -85,3 +92,11 @@ class NormStats:
     @staticmethod
     def from_tensors(tensors: dict[str, Tensor], prefix: str, mode: str) -> NormStats:
         return NormStats(*(tensors[f"{prefix}.{f}"] for f in _FIELDS), mode=mode)
+
+    @staticmethod
+    def placed(tensors: dict[str, Tensor], prefix: str, mode: str, device) -> NormStats:
+        """Statistics a policy snapshot carries, on `device`, unchecked: they were checked where the
+        snapshot was made, and its host tensors may still be filling (reading them would race)."""
+        if mode not in MODES:
+            raise InvalidInputError(f"stats mode: expected one of {MODES}, got {mode!r}")
+        return NormStats._unchecked({f: tensors[f"{prefix}.{f}"] for f in _FIELDS}, mode).to(device)

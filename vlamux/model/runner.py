@@ -29,8 +29,8 @@ from vlamux.model.feature import VLAFeature
 from vlamux.model.fused import FusedHeads, architecture
 from vlamux.model.group import ForwardBackward, Request, Result, Sample, plan_groups
 from vlamux.model.heads import HeadSpec
-from vlamux.model.memory import memory_pools
-from vlamux.model.slot import OptimizerSpec, PendingGrads, RowInputs, Slot
+from vlamux.model.memory import MemoryPools
+from vlamux.model.slot import OptimizerSpec, PendingGrads, PolicySnapshot, RowInputs, Slot
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class ModelRunner:
         self.max_group_rows = max_group_rows
         self.slots: dict[str, Slot] = {}
         self.lane = Lane(backbones[0].device, backbones[0].dtype)
-        self.pools = memory_pools(backbones[0].device)
+        self.pools = MemoryPools(backbones[0].device)  # this runner's (its service's) rollout pool
         self.fused = FusedHeads() if fuse_heads else None
 
     @property
@@ -100,7 +100,26 @@ class ModelRunner:
         return slot
 
     def remove_slot(self, tenant: str) -> Slot:
-        return self.slots.pop(self.slot(tenant).tenant)
+        slot = self.slots.pop(self.slot(tenant).tenant)
+        if self.fused is not None:
+            self.fused.forget(slot)
+        return slot
+
+    def apply_policy(self, snap: PolicySnapshot) -> Slot:
+        """Serve `snap`, a tenant's policy version (a new tenant gets a slot). Its weights are copied on
+        the lane's copy stream once the producer's copies are complete, and the lane's next work waits
+        for them: they land between two groups."""
+        slot = self.slots.get(snap.tenant)
+        with self.lane.active():
+            if slot is None:
+                backbone = self._backbone(snap.backbone_id)
+                slot = Slot(snap.tenant, snap.head_spec, backbone.meta, device=backbone.device)
+                with self.lane.importing(snap.done):
+                    slot.apply_policy(snap)
+                return self.add_slot(slot)
+            with self.lane.importing(snap.done):
+                slot.apply_policy(snap)
+        return slot
 
     def slot(self, tenant: str) -> Slot:
         try:
@@ -303,7 +322,7 @@ class ModelRunner:
                     w.output = w.slot.finish_sample(out)
         except Exception as e:  # noqa: BLE001 - fall back to the per-tenant path
             log.warning("fused heads of %d requests failed (%s); running them one by one", len(works), e)
-            for w, rng in zip(works, rngs):
+            for w, rng in reversed(list(zip(works, rngs))):  # a tenant twice: back to its first state
                 w.slot.generator.set_state(rng)
             for w in works:
                 self._single(w.index, requests, rows_of[w.index], features[w.index], rnd)

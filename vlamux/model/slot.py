@@ -356,7 +356,7 @@ class Slot:
         with torch.no_grad():
             for k, dst in own.items():
                 copy_into(dst, head[k])
-        self.stats = {k: NormStats.from_tensors(snap.tensors, f"stats.{k}", m).to(self.device)
+        self.stats = {k: NormStats.placed(snap.tensors, f"stats.{k}", m, self.device)
                       for k, m in snap.stats_modes.items()}
         self.version = snap.version
 

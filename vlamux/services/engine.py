@@ -51,4 +51,5 @@ class EngineLoop:
         return {"queue": self.queue.metrics(), "utilization": self.accounting.utilization(),
                 "busy_s": self.accounting.busy_s, "tenants": len(self.runner.slots),
                 "device": str(lane.device), "dtype": dtype_name(lane.dtype), "fuse_heads": self.runner.fuse_heads,
+                "fused_calls": self.runner.fused.calls if self.runner.fused is not None else 0,
                 "memory": self.runner.pools.stats()}

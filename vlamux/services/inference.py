@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from vlamux.errors import UnknownTenantError
 from vlamux.model import Backbone, ModelRunner, Observation, Sample
-from vlamux.model.slot import PolicySnapshot, Slot
+from vlamux.model.slot import PolicySnapshot
 from vlamux.services.accounting import Accounting
 from vlamux.services.engine import EngineLoop
 from vlamux.services.queues import InferenceQueue, InferenceQueueConfig
@@ -60,11 +60,12 @@ class InferenceModelService(EngineLoop):
             staged, self._staged = self._staged, {}
             for tenant, snap in staged.items():
                 slot = self.runner.slots.get(tenant)
-                with self.runner.lane.importing(snap.done):
-                    if slot is None:
-                        self.runner.add_slot(Slot.from_policy(snap, self.backbone.meta, self.backbone.device))
-                    elif snap.version >= slot.version:
-                        slot.apply_policy(snap)
+                if slot is not None and snap.version < slot.version:
+                    continue
+                try:
+                    self.runner.apply_policy(snap)
+                except Exception:  # noqa: BLE001 - one tenant's bad snapshot must not cost the others theirs
+                    log.exception("%s: applying tenant %r version %d failed", self.name, tenant, snap.version)
 
     def policy_version(self, tenant: str) -> int | None:
         """The version the tenant's next group will be served with (a staged one counts)."""

@@ -180,7 +180,7 @@ class TrainingActor(_Actor):
                 slot.newer_than(snapshot.version)
                 self.svc._publish(tenant)  # the replicas serve what training now holds
         elif snapshot is not None:
-            slot.apply_policy(snapshot)
+            self.svc.runner.apply_policy(snapshot)
         return slot.version
 
 

@@ -183,7 +183,7 @@ class EmbeddedRuntime:
                     slot.newer_than(published.version)
                     new._publish(tenant)  # the replicas serve what training now holds
             elif published is not None:
-                slot.apply_policy(published)
+                new.runner.apply_policy(published)
         self.training = new.start()
 
     def _remember(self, snap: PolicySnapshot) -> None:
