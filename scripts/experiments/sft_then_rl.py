@@ -42,6 +42,7 @@ from vlamux.envs.tabletop.tasks import SUITES
 from vlamux.jobs.master import MasterService
 from vlamux.model import BackboneSpec
 from vlamux.services.queues import InferenceQueueConfig
+from vlamux.model.device import add_device_arguments, dtype_name, parse_device_arguments
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
 from vlamux.workflows.evaluate import paired
 
@@ -77,7 +78,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reward", default="sparse", choices=("sparse", "dense"),
                     help="rl: the tabletop reward (dense: potential-based shaping on top of success)")
     ap.add_argument("--instruction-cond", default="add", choices=("none", "add", "adaln"))
+    add_device_arguments(ap)
     args = ap.parse_args(argv)
+    device, dtype = parse_device_arguments(ap, args)
     torch.set_num_threads(args.threads)
     head = {**HEAD, "instruction_cond": args.instruction_cond}
     rl_tasks = SUITES.get(args.task) or args.task.split(",")
@@ -106,7 +109,7 @@ def main(argv=None) -> int:
     else:
         spec["init_from"] = args.init
     rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset="tiny", weights=args.weights),
-                                       max_staleness=4 * args.epochs,
+                                       device=str(device), dtype=dtype_name(dtype), max_staleness=4 * args.epochs,
                                        inference_queue=InferenceQueueConfig(batch_rows=32, max_wait_s=0.005))).start()
     try:
         job = MasterService(rt, args.workdir).submit(spec)

@@ -142,13 +142,22 @@ class FusedHeads:
         else:
             loss, metrics = heads.module.loss(b.feature, b.state, actions, mask, noise=b.noise)
             per = [(loss[i], {k: v[i] for k, v in metrics.items()}, {}) for i in range(len(inputs))]
-        total = torch.stack([p[0] for p in per]).sum()
-        grads = torch.autograd.grad(total, heads.params, allow_unused=True)
+        losses = torch.stack([p[0] for p in per])
+        grads = torch.autograd.grad(losses.sum(), heads.params, allow_unused=True)
+        # every request's finiteness from the stacked tensors at once, not tenant by tenant
+        n = len(inputs)
+        finite = torch.isfinite(losses.detach())
+        present = [g for g in grads if g is not None]
+        if present:
+            # a norm is one pass (isfinite takes four), non-finite where an entry is, or where the gradient
+            # is so large that its norm overflows: no step could use that one either
+            norms = torch.stack([torch.linalg.vector_norm(g.reshape(n, -1), dim=1) for g in present])
+            finite = finite & norms.isfinite().all(0)
         out = []
-        for i, (slot, (loss_i, metrics_i, extra_i)) in enumerate(zip(slots, per)):
+        for i, (loss_i, metrics_i, extra_i) in enumerate(per):
             # views of the stacked gradient: disjoint slices, one per request
             mine = [None if g is None else g[i] for g in grads]
-            out.append(Slot.pending(loss_i, metrics_i, extra_i, mine, rngs[i]))
+            out.append(PendingGrads(mine, {"loss": loss_i.detach(), **metrics_i, **extra_i}, finite[i], rngs[i]))
         self.calls += 1
         return out
 
