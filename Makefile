@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml scripts/setup-system.sh
 	bash scripts/setup-system.sh
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(FIND_LINKS) $(TORCH_PIN)
-	$(PY) -m pip install -q $(FIND_LINKS) -e '.[dev,ray,metaworld,maniskill]'
+	$(PY) -m pip install -q $(FIND_LINKS) -e '.[dev,ray,metaworld,maniskill,hf]'
 	touch $@
 
 # LIBERO (about 1.2 GB: robosuite and the asset packages); the tests' smoke test needs it.

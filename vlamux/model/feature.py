@@ -1,10 +1,12 @@
 """`VLAFeature`: the backbone's output contract, all an action head may read.
 
-Layout of the token axis, for every backbone:
+Layout of the token axis, for the built-in backbone:
 ``[query tokens][camera 0 patches]...[camera K-1 patches][instruction tokens]``.
 Camera and text segments may be padded (mask False); `select` trims a
 feature back to one request's own cameras and instruction length, which is
-what makes group batching invisible to the heads.
+what makes group batching invisible to the heads. A VLM backbone keeps its
+prompt's own order (chat roles, images, instruction); `token_type` says what
+each token is, and heads read only types and masks, never positions.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torch import Tensor
 class TokenType(IntEnum):
     """Values of `VLAFeature.token_type`; camera k has type ``CAMERA + k``."""
 
+    PROMPT = -1  # a VLM prompt's own tokens around the inputs: chat roles, image delimiters, system text
     TEXT = 0
     QUERY = 1
     CAMERA = 2

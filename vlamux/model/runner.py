@@ -23,7 +23,7 @@ import torch
 
 from vlamux.errors import InvalidInputError, UnknownTenantError
 from vlamux.model.backbones import Backbone
-from vlamux.model.batch import CanonicalBatch, canonicalize
+from vlamux.model.batch import CanonicalBatch
 from vlamux.model.device import Lane
 from vlamux.model.feature import VLAFeature
 from vlamux.model.fused import FusedHeads, architecture
@@ -177,9 +177,8 @@ class ModelRunner:
                     raise InvalidInputError(f"request {i}: expected ForwardBackward or Sample, got {type(req).__name__}")
                 slot = self.slot(req.tenant)
                 backbone = self.backbones[slot.backbone_id]
-                with self.pools.rollout():  # canonicalize checks the observation before it copies
-                    batch = canonicalize(req.obs, backbone.schema, backbone.tokenizer, backbone.device,
-                                         backbone.dtype)
+                with self.pools.rollout():  # prepare checks the observation before it copies
+                    batch = backbone.prepare(req.obs)
                     if isinstance(req, ForwardBackward):
                         rows = slot.check_rows(req.obs.batch_size, req.obs.state, req.actions, req.action_mask,
                                                req.loss, train=True)

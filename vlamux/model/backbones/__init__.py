@@ -5,12 +5,11 @@ to a factory in `_FACTORIES`:
 
 * ``builtin`` — the download-free family in `builtin.py` (presets tiny, small,
   base), seeded, optionally loaded from a safetensors file.
-* ``hf`` — reserved for adapters of real VLMs (Qwen2.5-VL, SmolVLM, ...)
-  loaded from a local directory. Such an adapter subclasses `Backbone`, maps
-  its processor's output onto `CanonicalBatch` (it may keep its own tokenizer
-  and image size through `schema`), and returns the VLM's last hidden states
-  (and the last k layers) as a `VLAFeature`. Heads, slots and the group
-  runner need no change for it. Not built yet.
+* ``hf`` — a transformers VLM from a local model directory laid out as the
+  hub ships it (`hf/`): Qwen2-VL / Qwen2.5-VL so far. Its family's processor
+  prepares each request (`Backbone.prepare`), a group's requests are padded
+  into one forward of the transformers model, and its hidden states come back
+  as a `VLAFeature`. Heads, slots and the group runner need no change for it.
 """
 
 from __future__ import annotations
@@ -40,10 +39,17 @@ class BackboneSpec:
     kind: str = "builtin"
     preset: str = "tiny"
     seed: int = 0
-    weights: str | None = None  # a safetensors file written by save_backbone
+    weights: str | None = None  # builtin: a safetensors file written by save_backbone
+    path: str | None = None  # hf: the model directory
+    layer: int | None = None  # hf: features from this decoder layer's output (None: the last, normed)
+    max_layers: int | None = None  # hf: keep the first N decoder layers only (SmolVLA-style truncation)
+    image_size: int | None = None  # hf: cameras resized to this square first (bounds their tokens)
 
     @property
     def backbone_id(self) -> str:
+        """builtin only: an hf backbone's id includes its directory's content hash (`Backbone.backbone_id`)."""
+        if self.kind == "hf":
+            raise ValueError("an hf backbone's id is known once its directory is read: build it and ask it")
         if self.weights:
             return f"{self.kind}-{self.preset}@{Path(self.weights).name}"
         return f"{self.kind}-{self.preset}-seed{self.seed}"
@@ -58,22 +64,23 @@ def _build_builtin(spec: BackboneSpec) -> Backbone:
         return BuiltinBackbone(PRESETS[spec.preset], spec.backbone_id)
 
 
-def _build_hf(spec: BackboneSpec) -> Backbone:
-    raise NotImplementedError(
-        "backbone kind 'hf' (Hugging Face VLMs from a local directory) is not available yet; use kind='builtin'"
-    )
+def _build_hf(spec: BackboneSpec, dtype: torch.dtype) -> Backbone:
+    from vlamux.model.backbones.hf import load_hf_backbone
 
-
-_FACTORIES = {"builtin": _build_builtin, "hf": _build_hf}
+    if not spec.path:
+        raise ValueError("backbone spec: kind 'hf' needs path (a local model directory)")
+    return load_hf_backbone(spec, dtype)
 
 
 def build_backbone(spec: BackboneSpec | None = None, device: str | torch.device = "cpu",
                    dtype: torch.dtype = torch.float32) -> Backbone:
     """Build, freeze and place a backbone."""
     spec = spec or BackboneSpec()
-    if spec.kind not in _FACTORIES:
-        raise ValueError(f"unknown backbone kind {spec.kind!r}; choose one of {sorted(_FACTORIES)}")
-    return _FACTORIES[spec.kind](spec).to(device=device, dtype=dtype).freeze()
+    if spec.kind == "builtin":
+        return _build_builtin(spec).to(device=device, dtype=dtype).freeze()
+    if spec.kind == "hf":  # loaded in its dtype (a bf16 checkpoint never passes through fp32)
+        return _build_hf(spec, dtype).to(device=device).freeze()
+    raise ValueError(f"unknown backbone kind {spec.kind!r}; choose one of ['builtin', 'hf']")
 
 
 def save_backbone(backbone: BuiltinBackbone, path: str | Path) -> None:

@@ -28,6 +28,13 @@ class Backbone(nn.Module, abc.ABC):
     @abc.abstractmethod
     def meta(self) -> FeatureMeta: ...
 
+    def prepare(self, obs):
+        """A request's observation in this backbone's input form, checked (on the host) and on its
+        device: here the canonical batch; a VLM backbone runs its family's processor instead."""
+        from vlamux.model.batch import canonicalize
+
+        return canonicalize(obs, self.schema, self.tokenizer, self.device, self.dtype)
+
     @abc.abstractmethod
     def forward(self, batch: CanonicalBatch, n_layers: int = 0) -> VLAFeature:
         """Features of `batch`; `n_layers` > 0 also returns the last n blocks' hidden states."""

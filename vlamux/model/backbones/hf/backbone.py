@@ -1,0 +1,190 @@
+"""A transformers VLM as the shared backbone: the family's processor turns each tenant's observation
+into its prompt (one image per camera, then the instruction), the requests of a group are padded into
+one forward of the transformers model, and each request gets its rows' hidden states back.
+
+`encode(batches)` is exactly what the model is called with, so a feature can be checked against the
+model itself; `prepare(obs)` runs the processor on the host, per request, before the group forms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from vlamux.errors import InvalidInputError
+from vlamux.model.backbones.base import Backbone
+from vlamux.model.backbones.hf.directory import ModelDir, chat_template
+from vlamux.model.backbones.hf.families import Family, Row, _import, build_processor
+from vlamux.model.batch import InputSchema, Observation
+from vlamux.model.device import to_device
+from vlamux.model.feature import FeatureMeta, TokenType, VLAFeature
+
+MAX_CAMERAS = 8
+
+
+@dataclass
+class HFBatch:
+    """One request's rows, preprocessed on the host (`HFBackbone.prepare`)."""
+
+    rows: list[Row]
+    token_types: list[Tensor]  # per row [L]: TokenType values
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+
+class HFBackbone(Backbone):
+    def __init__(self, model_dir: ModelDir, family: Family, backbone_id: str, dtype: torch.dtype = torch.float32,
+                 layer: int | None = None, max_layers: int | None = None, image_size: int | None = None):
+        super().__init__()
+        self.model_dir, self.family, self.backbone_id = model_dir, family, backbone_id
+        # SDPA everywhere: it is what runs on a GPU, and the CPU runs it too (eager attention would
+        # be another numerics path than the one served)
+        self.model = family.model(model_dir.path, dtype, "sdpa")
+        text = family.text_model(self.model)
+        depth = len(text.layers)
+        if max_layers is not None:
+            if not 1 <= max_layers <= depth:
+                raise ValueError(f"backbone spec: max_layers must be in [1, {depth}], got {max_layers}")
+            text.layers = text.layers[:max_layers]  # SmolVLA-style truncation: the rest is never run
+            text.config.num_hidden_layers = max_layers
+            depth = max_layers
+        if layer is not None and not 1 <= layer <= depth:
+            raise ValueError(f"backbone spec: layer must be in [1, {depth}], got {layer}")
+        self.depth, self.layer, self.image_size = depth, layer, image_size
+        image_processor = _import(family.image_processor).from_pretrained(str(model_dir.path), local_files_only=True,
+                                                                          **family.image_kwargs)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir.path), local_files_only=True)
+        self.template = chat_template(model_dir.path)
+        self.processor = build_processor(_import(family.processor), image_processor, tokenizer, self.template)
+        self.tokenizer = tokenizer
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.schema = InputSchema(image_size or 0, MAX_CAMERAS, tokenizer.model_max_length)
+        self.hidden_dim = text.config.hidden_size
+
+    # ---- the Backbone contract ----------------------------------------------------------------------
+    @property
+    def meta(self) -> FeatureMeta:
+        return FeatureMeta(self.backbone_id, self.hidden_dim, self.depth, 0, self.tokens_per_camera())
+
+    def tokens_per_camera(self, size: int | None = None) -> int:
+        """Image tokens one camera costs at `size` px square (default: the spec's image_size, else 224)."""
+        size = size or self.image_size or 224
+        img = np.zeros((size, size, 3), dtype=np.uint8)
+        enc = self.processor(images=[img], text=[self.family.prompt(self.processor, self.template, "", 1)],
+                             return_mm_token_type_ids=True)
+        return int(np.sum(np.asarray(enc["mm_token_type_ids"][0]) == 1))
+
+    def forward(self, batch: HFBatch, n_layers: int = 0) -> VLAFeature:
+        return self.forward_group([batch], n_layers)[0]
+
+    def prepare(self, obs: Observation) -> HFBatch:
+        """A request's observation through the family's processor: each row's prompt (its present
+        cameras' images in the tenant's camera order, then its instruction), tokens, pixel tensors and
+        token types (camera k, instruction text, prompt)."""
+        if not isinstance(obs, Observation):
+            raise InvalidInputError(f"obs: expected an Observation, got {type(obs).__name__}")
+        obs.validate(self.schema)
+        names = list(obs.images)
+        images, prompts, cams_of_row, suffixes = [], [], [], []
+        for b in range(obs.batch_size):
+            present = [k for k, n in enumerate(names) if n not in obs.camera_mask or bool(obs.camera_mask[n][b])]
+            images += [self._image(obs.images[names[k]][b]) for k in present]
+            text = self.family.prompt(self.processor, self.template, obs.instruction[b], len(present))
+            prompts.append(text)
+            cams_of_row.append(present)
+            # characters after the instruction: the template's, and what the processor appends
+            suffixes.append(len(text) - text.rfind(obs.instruction[b]) - len(obs.instruction[b])
+                            + len(self.family.instruction_suffix))
+        enc = self.processor(images=images or None, text=prompts, return_mm_token_type_ids=True,
+                             return_offsets_mapping=True, return_tensors=None, **self.family.image_kwargs)
+        extras = self.family.split(_tensors(enc), [len(c) for c in cams_of_row])
+        rows, types = [], []
+        for b, cams in enumerate(cams_of_row):
+            ids = torch.tensor(enc["input_ids"][b], dtype=torch.long)
+            mm = torch.tensor(enc["mm_token_type_ids"][b], dtype=torch.long)
+            rows.append(Row(ids, mm, extras[b]))
+            types.append(self._token_types(mm, enc["offset_mapping"][b], obs.instruction[b], cams, suffixes[b]))
+        return HFBatch(rows, types)
+
+    def encode(self, batches: list[HFBatch]) -> dict:
+        """The keyword arguments the transformers model is called with for these requests' rows
+        (padded together), on the backbone's device: what `forward_group` passes, exactly."""
+        rows = [r for b in batches for r in b.rows]
+        kwargs = self.family.collate(rows, self.pad_id)
+        dev = self.device
+        return {k: to_device(v, dev, self.dtype if v.is_floating_point() else None) for k, v in kwargs.items()}
+
+    def forward_group(self, batches: list[HFBatch], n_layers: int = 0) -> list[VLAFeature]:
+        if not 0 <= n_layers <= self.depth:
+            raise ValueError(f"n_layers must be in [0, {self.depth}], got {n_layers}")
+        kwargs = self.encode(batches)
+        want_states = bool(n_layers) or self.layer is not None
+        out = self.model(**kwargs, output_hidden_states=want_states, use_cache=False, return_dict=True)
+        states = out.hidden_states[1:] if want_states else ()  # the decoder layers' outputs, oldest first
+        hidden = out.last_hidden_state if self.layer is None else states[self.layer - 1]
+        kept = states[len(states) - n_layers:] if n_layers else ()
+        length = hidden.shape[1]
+        features, start = [], 0
+        for b in batches:
+            rows = slice(start, start + b.batch_size)
+            start += b.batch_size
+            own = max(len(r.input_ids) for r in b.rows)
+            at = slice(0, own) if self.family.padding_side == "right" else slice(length - own, length)
+            mask = kwargs["attention_mask"][rows, at].bool()
+            types = torch.full((b.batch_size, own), int(TokenType.PROMPT), dtype=torch.long)
+            for i, t in enumerate(b.token_types):
+                n = len(t)
+                if self.family.padding_side == "right":
+                    types[i, :n] = t
+                else:
+                    types[i, own - n:] = t
+            features.append(VLAFeature(hidden[rows, at], mask, types.to(hidden.device), self.meta,
+                                       tuple(s[rows, at] for s in kept)))
+        return features
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _image(self, chw: Tensor) -> np.ndarray:
+        """A camera image [3, H, W] uint8 as the processors take it (HWC), resized to the spec's square
+        size if one is set (it bounds a camera's tokens; the processor then does its own resize)."""
+        img = chw
+        if self.image_size and tuple(chw.shape[1:]) != (self.image_size, self.image_size):
+            import torch.nn.functional as F
+
+            img = F.interpolate(chw[None].float(), size=(self.image_size, self.image_size), mode="bilinear",
+                                antialias=True, align_corners=False)[0].round().clamp(0, 255).to(torch.uint8)
+        return img.permute(1, 2, 0).contiguous().numpy()
+
+    @staticmethod
+    def _token_types(mm: Tensor, offsets, instruction: str, cams: list[int], suffix: int) -> Tensor:
+        """Camera k for the k-th image's tokens, TEXT for the instruction's (located from the end of the
+        text, `suffix` characters after it: the images before it change the text's length), PROMPT for
+        the rest."""
+        types = torch.full(mm.shape, int(TokenType.PROMPT), dtype=torch.long)
+        image = mm == 1
+        run = torch.cumsum((image & ~torch.cat([torch.tensor([False]), image[:-1]])).long(), 0) - 1
+        for k, cam in enumerate(cams):
+            types[image & (run == k)] = TokenType.CAMERA + cam
+        if instruction:
+            stop = max(e for _, e in offsets) - suffix
+            first = stop - len(instruction)
+            for i, (s, e) in enumerate(offsets):
+                if not image[i] and e > s and s < stop and e > first:
+                    types[i] = TokenType.TEXT
+        return types
+
+
+def _tensors(enc) -> dict:
+    """The processor's image outputs as tensors (it returned python lists / arrays: return_tensors=None)."""
+    out = {}
+    for k, v in enc.items():
+        if k in ("input_ids", "attention_mask", "mm_token_type_ids", "offset_mapping"):
+            continue
+        out[k] = torch.as_tensor(np.asarray(v)) if not isinstance(v, Tensor) else v
+    return out

@@ -1,0 +1,130 @@
+"""Randomly initialised model directories of each family, in the hub's layout: config.json (marked
+`"vlamux_random_weights": true`), model.safetensors, an offline tokenizer (a small byte-level BPE
+trained here, with the family's special tokens), tokenizer_config.json, preprocessor_config.json and
+the family's chat template. For tests, demos and benchmarks on machines without real weights: real
+weights placed in a directory load through the same code.
+
+    vlamux backbone init --family qwen2_5_vl --size tiny --out DIR
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from vlamux.model.backbones.hf.directory import ModelDirError
+
+# The Qwen2-VL / Qwen2.5-VL chat template, as the hub ships it (chat_template.json).
+QWEN_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content "
+    "%}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}"
+)
+QWEN_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                "<|image_pad|>", "<|video_pad|>"]
+
+# text: hidden, layers, heads, kv heads, mlp; vision: hidden, depth, heads, mlp. "3b" is Qwen2.5-VL-3B's
+# shape (for accelerator benchmarks: about 7 GB of weights in bf16 written to disk).
+QWEN_SIZES = {
+    "tiny": dict(text=(64, 2, 4, 2, 128), vision=(32, 2, 2, 64)),
+    "small": dict(text=(256, 4, 4, 2, 704), vision=(128, 4, 4, 256)),
+    "base": dict(text=(896, 12, 14, 2, 4864), vision=(640, 16, 10, 1280)),
+    "3b": dict(text=(2048, 36, 16, 2, 11008), vision=(1280, 32, 16, 3420)),
+}
+FAMILY_SIZES = {"qwen2_5_vl": QWEN_SIZES}
+
+# Words the tokenizer learns merges from: what the built-in suite's instructions and chat prompts say.
+CORPUS = ("pick up the red green blue yellow purple orange cube ball block box and place push it into zone "
+          "touch lift move left right front back top bottom near far slowly please then stop grab put on the "
+          "table arm gripper open close you are a helpful assistant user system picture image robot task "
+          "what should do next action go to reach over under between")
+
+
+def _tokenizer(special: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    words = CORPUS.split()
+    tok.train_from_iterator([" ".join(words[i:] + words[:i]) for i in range(len(words))] * 8, trainer)
+    return tok
+
+
+def write_random_model(family: str, size: str, out: str | Path, seed: int = 0, overwrite: bool = False) -> Path:
+    """Write a random-weight model directory of `family` at `size` to `out`; returns it."""
+    if family not in FAMILY_SIZES:
+        raise ModelDirError(f"family {family!r}: random directories exist for {sorted(FAMILY_SIZES)}")
+    sizes = FAMILY_SIZES[family]
+    if size not in sizes:
+        raise ModelDirError(f"size {size!r}: choose one of {sorted(sizes)} for {family}")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ModelDirError(f"{out}: exists and is not empty (overwrite=True replaces it)")
+    out.mkdir(parents=True, exist_ok=True)
+    return _WRITERS[family](sizes[size], out, seed)
+
+
+def _write_qwen2_5_vl(size: dict, out: Path, seed: int) -> Path:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tok = _tokenizer(QWEN_SPECIAL, 800)
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in QWEN_SPECIAL}
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "model_max_length": 32768, "padding_side": "right", "split_special_tokens": False,
+        "extra_special_tokens": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
+                                 "vision_bos_token": "<|vision_start|>", "vision_eos_token": "<|vision_end|>"},
+    }, indent=2))
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": QWEN_TEMPLATE}, indent=2))
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+        "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280, "patch_size": 14, "temporal_patch_size": 2,
+        "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+    }, indent=2))
+    hidden, layers, heads, kv, mlp = size["text"]
+    v_hidden, v_depth, v_heads, v_mlp = size["vision"]
+    half = hidden // heads // 2  # M-RoPE splits a head's rotary half into (t, h, w) sections
+    section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=tok.get_vocab_size(), hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=mlp,
+                         max_position_embeddings=32768, bos_token_id=ids["<|endoftext|>"],
+                         eos_token_id=ids["<|im_end|>"], tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": section}),
+        vision_config=dict(hidden_size=v_hidden, depth=v_depth, num_heads=v_heads, intermediate_size=v_mlp,
+                           out_hidden_size=hidden, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                           window_size=112, fullatt_block_indexes=list(range(v_depth - 1, v_depth))),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], tie_word_embeddings=True,
+    )
+    config.vlamux_random_weights = True
+    _save(Qwen2_5_VLForConditionalGeneration, config, out, seed)
+    return out
+
+
+def _save(model_class, config, out: Path, seed: int) -> None:
+    from vlamux.utils.seeding import seeded
+
+    with seeded(seed):
+        model = model_class(config)
+    model.save_pretrained(str(out), safe_serialization=True)
+    (out / "generation_config.json").unlink(missing_ok=True)  # no generation: features only
+    del model
+
+
+_WRITERS = {"qwen2_5_vl": _write_qwen2_5_vl}
