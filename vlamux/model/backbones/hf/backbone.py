@@ -16,7 +16,7 @@ from torch import Tensor
 
 from vlamux.errors import InvalidInputError
 from vlamux.model.backbones.base import Backbone
-from vlamux.model.backbones.hf.directory import ModelDir, chat_template
+from vlamux.model.backbones.hf.directory import ModelDir, chat_template, processor_options
 from vlamux.model.backbones.hf.families import Family, Row, _import, build_processor
 from vlamux.model.batch import InputSchema, Observation
 from vlamux.model.device import to_device
@@ -62,7 +62,8 @@ class HFBackbone(Backbone):
 
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir.path), local_files_only=True)
         self.template = chat_template(model_dir.path)
-        self.processor = build_processor(_import(family.processor), image_processor, tokenizer, self.template)
+        self.processor = build_processor(_import(family.processor), image_processor, tokenizer, self.template,
+                                         processor_options(model_dir.path))
         self.tokenizer = tokenizer
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.schema = InputSchema(image_size or 0, MAX_CAMERAS, tokenizer.model_max_length)
@@ -77,7 +78,8 @@ class HFBackbone(Backbone):
         """Image tokens one camera costs at `size` px square (default: the spec's image_size, else 224)."""
         size = size or self.image_size or 224
         img = np.zeros((size, size, 3), dtype=np.uint8)
-        enc = self.processor(images=[img], text=[self.family.prompt(self.processor, self.template, "", 1)],
+        enc = self.processor(images=[[img]] if self.family.nested_images else [img],
+                             text=[self.family.prompt(self.processor, self.template, "", 1)],
                              return_mm_token_type_ids=True)
         return int(np.sum(np.asarray(enc["mm_token_type_ids"][0]) == 1))
 
@@ -95,22 +97,27 @@ class HFBackbone(Backbone):
         images, prompts, cams_of_row, suffixes = [], [], [], []
         for b in range(obs.batch_size):
             present = [k for k, n in enumerate(names) if n not in obs.camera_mask or bool(obs.camera_mask[n][b])]
-            images += [self._image(obs.images[names[k]][b]) for k in present]
+            if not present:
+                raise InvalidInputError(f"camera_mask: row {b} has no camera present (a VLM prompt needs an image)")
+            row_images = [self._image(obs.images[names[k]][b]) for k in present]
+            images.append([row_images] if self.family.nested_images else row_images)
             text = self.family.prompt(self.processor, self.template, obs.instruction[b], len(present))
             prompts.append(text)
             cams_of_row.append(present)
             # characters after the instruction: the template's, and what the processor appends
             suffixes.append(len(text) - text.rfind(obs.instruction[b]) - len(obs.instruction[b])
                             + len(self.family.instruction_suffix))
-        enc = self.processor(images=images or None, text=prompts, return_mm_token_type_ids=True,
-                             return_offsets_mapping=True, return_tensors=None, **self.family.image_kwargs)
-        extras = self.family.split(_tensors(enc), [len(c) for c in cams_of_row])
         rows, types = [], []
-        for b, cams in enumerate(cams_of_row):
-            ids = torch.tensor(enc["input_ids"][b], dtype=torch.long)
-            mm = torch.tensor(enc["mm_token_type_ids"][b], dtype=torch.long)
-            rows.append(Row(ids, mm, extras[b]))
-            types.append(self._token_types(mm, enc["offset_mapping"][b], obs.instruction[b], cams, suffixes[b]))
+        for b, cams in enumerate(cams_of_row):  # a row at a time: rows differ in length (no padding here)
+            enc = self.processor(images=images[b], text=[prompts[b]], return_mm_token_type_ids=True,
+                                 return_offsets_mapping=True, return_tensors=None)
+            extra = self.family.split(_tensors(enc), [len(cams)])[0]
+            ids = torch.tensor(enc["input_ids"][0], dtype=torch.long)
+            mm = torch.tensor(enc["mm_token_type_ids"][0], dtype=torch.long)
+            rows.append(Row(ids, mm, extra))
+            counts = self.family.image_tokens(self.processor, extra)
+            types.append(self._token_types(mm, enc["offset_mapping"][0], obs.instruction[b], cams, counts,
+                                           suffixes[b]))
         return HFBatch(rows, types)
 
     def encode(self, batches: list[HFBatch]) -> dict:
@@ -162,15 +169,17 @@ class HFBackbone(Backbone):
         return img.permute(1, 2, 0).contiguous().numpy()
 
     @staticmethod
-    def _token_types(mm: Tensor, offsets, instruction: str, cams: list[int], suffix: int) -> Tensor:
-        """Camera k for the k-th image's tokens, TEXT for the instruction's (located from the end of the
-        text, `suffix` characters after it: the images before it change the text's length), PROMPT for
-        the rest."""
+    def _token_types(mm: Tensor, offsets, instruction: str, cams: list[int], counts: list[int], suffix: int
+                     ) -> Tensor:
+        """Camera k for its image's tokens (the images' tokens come in camera order, `counts` each), TEXT
+        for the instruction's (located from the end of the text, `suffix` characters after it: the images
+        before it change the text's length), PROMPT for the rest."""
         types = torch.full(mm.shape, int(TokenType.PROMPT), dtype=torch.long)
         image = mm == 1
-        run = torch.cumsum((image & ~torch.cat([torch.tensor([False]), image[:-1]])).long(), 0) - 1
-        for k, cam in enumerate(cams):
-            types[image & (run == k)] = TokenType.CAMERA + cam
+        if int(image.sum()) != sum(counts):
+            raise RuntimeError(f"the processor made {int(image.sum())} image tokens for images of {counts}")
+        owner = torch.repeat_interleave(torch.tensor(cams, dtype=torch.long), torch.tensor(counts, dtype=torch.long))
+        types[image] = TokenType.CAMERA + owner
         if instruction:
             stop = max(e for _, e in offsets) - suffix
             first = stop - len(instruction)

@@ -115,3 +115,10 @@ def chat_template(path: Path) -> str | None:
     if (path / "chat_template.json").is_file():
         return _json(path / "chat_template.json").get("chat_template")
     return _json(path / "tokenizer_config.json").get("chat_template")
+
+
+def processor_options(path: Path) -> dict:
+    """The processor's own settings from processor_config.json (e.g. SmolVLM's image_seq_len), if any."""
+    if not (path / "processor_config.json").is_file():
+        return {}
+    return {k: v for k, v in _json(path / "processor_config.json").items() if k != "processor_class"}

@@ -21,13 +21,15 @@ def _import(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def build_processor(cls, image_processor, tokenizer, chat_template):
-    """The family's processor. Its video processor needs torchvision, which vlamux neither needs nor can
-    install beside a CPU torch (and never sends video): where it cannot be made, the processor is
-    built without one; its image and text paths are unchanged."""
+def build_processor(cls, image_processor, tokenizer, chat_template, options: dict | None = None):
+    """The family's processor (`options`: its processor_config.json, e.g. SmolVLM's image_seq_len). Its
+    video processor needs torchvision, which vlamux neither needs nor can install beside a CPU torch
+    (and never sends video): the processor is built without one; its image and text paths are
+    unchanged."""
+    options = dict(options or {})
     wants_video = "video_processor" in cls.__init__.__code__.co_varnames
     if not wants_video:
-        return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template)
+        return cls(image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template, **options)
 
     class WithoutVideo(cls):
         def check_argument_for_proper_class(self, argument_name, argument):
@@ -37,7 +39,7 @@ def build_processor(cls, image_processor, tokenizer, chat_template):
 
     WithoutVideo.__name__ = cls.__name__
     return WithoutVideo(image_processor=image_processor, tokenizer=tokenizer, video_processor=None,
-                        chat_template=chat_template)
+                        chat_template=chat_template, **options)
 
 
 @dataclass
@@ -59,14 +61,23 @@ class Family:
     padding_side: str = "right"
     instruction_suffix: str = ""  # what the processor appends after the prompt's text
     image_kwargs: dict = field(default_factory=dict)  # image-processor options vlamux fixes (e.g. no tiling)
+    nested_images: bool = False  # the processor takes each row's images as a list of its own
 
     # ---- loading --------------------------------------------------------------------------------
     def model(self, path, dtype: torch.dtype, attn: str):
+        from transformers.utils import logging as hf_logging
+
         cls = _import(self.model_class)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # the load report lists the LM head this base model leaves out
+        hf_logging.disable_progress_bar()
         try:
             return cls.from_pretrained(str(path), dtype=dtype, attn_implementation=attn, local_files_only=True)
         except OSError as e:
             raise ModelDirError(f"{path}: could not load {cls.__name__} ({e})") from None
+        finally:
+            hf_logging.set_verbosity(verbosity)
+            hf_logging.enable_progress_bar()
 
     def text_model(self, model):
         """The language model inside (its decoder layers carry the features)."""
@@ -86,6 +97,10 @@ class Family:
     # ---- batching ---------------------------------------------------------------------------------
     def split(self, enc: dict, images_per_row: list[int]) -> list[dict]:
         """The processor's image tensors for each row (`enc` holds a whole request's)."""
+        raise NotImplementedError
+
+    def image_tokens(self, processor, extra: dict) -> list[int]:
+        """How many image tokens each of a row's images became, in order."""
         raise NotImplementedError
 
     def collate(self, rows: list[Row], pad_id: int) -> dict:
@@ -119,6 +134,10 @@ class QwenVL(Family):
             img, start = img + n, start + count
         return out
 
+    def image_tokens(self, processor, extra):
+        merge = processor.image_processor.merge_size ** 2
+        return [int(n) // merge for n in extra["image_grid_thw"].prod(-1).tolist()]
+
     def collate_images(self, rows, mm_types):
         with_images = [r for r in rows if len(r.extra["image_grid_thw"])]
         if not with_images:
@@ -128,6 +147,58 @@ class QwenVL(Family):
                 "mm_token_type_ids": mm_types}
 
 
+class SmolVLM(Family):
+    """SmolVLM / SmolVLM2 (Idefics3's layout), as SmolVLA uses it: each camera one image, not tiled
+    (do_image_splitting off), so a camera costs image_seq_len tokens; pixel values per row
+    [images, 3, H, W] with a pixel mask, rows with fewer images padded with empty ones (which the
+    model drops)."""
+
+    def text_model(self, model):
+        return model.text_model
+
+    def image_tokens(self, processor, extra):
+        return [processor.image_seq_len] * len(extra["pixel_values"])
+
+    def split(self, enc, images_per_row):
+        return [{"pixel_values": enc["pixel_values"][b, :n], "pixel_attention_mask": enc["pixel_attention_mask"][b, :n]}
+                for b, n in enumerate(images_per_row)]
+
+    def collate_images(self, rows, mm_types):
+        n = max(len(r.extra["pixel_values"]) for r in rows)
+        return {k: torch.stack([_pad_first(r.extra[k], n) for r in rows])
+                for k in ("pixel_values", "pixel_attention_mask")}
+
+
+class PaliGemma(Family):
+    """PaliGemma (pi0's backbone): the processor puts each image's tokens first, then <bos>, the prompt
+    and a newline, and marks the whole prefix (token_type_ids 0) for bidirectional attention; the
+    model numbers positions 1..L itself, so rows are padded on the right."""
+
+    def prompt(self, processor, template, instruction, n_images):
+        # an <image> per camera first; the processor expands each and puts <bos> before the prompt
+        return processor.image_token * n_images + instruction
+
+    def image_tokens(self, processor, extra):
+        return [processor.image_seq_length] * len(extra["pixel_values"])
+
+    def split(self, enc, images_per_row):
+        out, start = [], 0
+        for n in images_per_row:
+            out.append({"pixel_values": enc["pixel_values"][start:start + n]})
+            start += n
+        return out
+
+    def collate_images(self, rows, mm_types):
+        # the prefix is everything here (no suffix): token type 0, bidirectional, on every row
+        return {"pixel_values": torch.cat([r.extra["pixel_values"] for r in rows]),
+                "token_type_ids": torch.zeros_like(mm_types)}
+
+
+def _pad_first(t: Tensor, n: int) -> Tensor:
+    missing = n - t.shape[0]
+    return t if missing == 0 else torch.cat([t, t.new_zeros(missing, *t.shape[1:])])
+
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     QwenVL("qwen2_5_vl", ("qwen2_5_vl",), "transformers.Qwen2_5_VLModel",
            "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
@@ -135,6 +206,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     QwenVL("qwen2_vl", ("qwen2_vl",), "transformers.Qwen2VLModel",
            "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
            "transformers.Qwen2VLProcessor"),
+    SmolVLM("smolvlm", ("smolvlm",), "transformers.SmolVLMModel",
+            "transformers.models.smolvlm.image_processing_pil_smolvlm.SmolVLMImageProcessorPil",
+            "transformers.SmolVLMProcessor", image_kwargs={"do_image_splitting": False}, nested_images=True),
+    PaliGemma("paligemma", ("paligemma",), "transformers.PaliGemmaModel",
+              "transformers.models.siglip.image_processing_pil_siglip.SiglipImageProcessorPil",
+              "transformers.PaliGemmaProcessor", instruction_suffix="\n", nested_images=True),
 )}
 
 

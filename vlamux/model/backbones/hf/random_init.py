@@ -40,7 +40,24 @@ QWEN_SIZES = {
     "base": dict(text=(896, 12, 14, 2, 4864), vision=(640, 16, 10, 1280)),
     "3b": dict(text=(2048, 36, 16, 2, 11008), vision=(1280, 32, 16, 3420)),
 }
-FAMILY_SIZES = {"qwen2_5_vl": QWEN_SIZES}
+# SmolVLM2: a Llama text model (hidden, layers, heads, kv, mlp), a SigLIP-like encoder (hidden, layers,
+# heads, mlp), image px, patch px; pixel-shuffle 2 (a camera: (px / patch)^2 / 4 tokens). "2b" is
+# SmolVLM2-2.2B's shape.
+SMOLVLM_SIZES = {
+    "tiny": dict(text=(64, 2, 4, 2, 128), vision=(32, 2, 2, 64), image=64, patch=16),
+    "small": dict(text=(256, 4, 4, 2, 704), vision=(128, 4, 4, 256), image=128, patch=16),
+    "base": dict(text=(960, 12, 15, 5, 2560), vision=(768, 12, 12, 3072), image=512, patch=16),
+    "2b": dict(text=(2048, 24, 32, 32, 8192), vision=(1152, 27, 16, 4304), image=384, patch=14),
+}
+# PaliGemma: a Gemma text model, a SigLIP encoder; image px, patch px (a camera: (px / patch)^2 tokens).
+# "3b" is PaliGemma-3B's shape (pi0's backbone).
+PALIGEMMA_SIZES = {
+    "tiny": dict(text=(64, 2, 4, 1, 128), vision=(32, 2, 2, 64), image=28, patch=14),
+    "small": dict(text=(256, 4, 4, 1, 1024), vision=(128, 4, 4, 256), image=112, patch=14),
+    "base": dict(text=(1024, 12, 8, 1, 4096), vision=(768, 12, 12, 3072), image=224, patch=14),
+    "3b": dict(text=(2048, 18, 8, 1, 16384), vision=(1152, 27, 16, 4304), image=224, patch=14),
+}
+FAMILY_SIZES = {"qwen2_5_vl": QWEN_SIZES, "smolvlm": SMOLVLM_SIZES, "paligemma": PALIGEMMA_SIZES}
 
 # Words the tokenizer learns merges from: what the built-in suite's instructions and chat prompts say.
 CORPUS = ("pick up the red green blue yellow purple orange cube ball block box and place push it into zone "
@@ -117,6 +134,93 @@ def _write_qwen2_5_vl(size: dict, out: Path, seed: int) -> Path:
     return out
 
 
+# SmolVLM's chat template, as SmolVLM2 ships it (text and images in a user turn; "Assistant:" opens the answer).
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}{% if message['content'][0]['type'] "
+    "== 'image' %}{{':'}}{% else %}{{': '}}{% endif %}{% for line in message['content'] %}{% if line['type'] == "
+    "'text' %}{{line['text']}}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}"
+    "<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+SMOLVLM_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<end_of_utterance>", "<image>",
+                   "<fake_token_around_image>", "<global-img>"]
+PALIGEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<image>"]
+
+
+def _write_smolvlm(size: dict, out: Path, seed: int) -> Path:
+    from transformers import SmolVLMConfig, SmolVLMForConditionalGeneration
+
+    tok = _tokenizer(SMOLVLM_SPECIAL, 800)
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in SMOLVLM_SPECIAL}
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "GPT2Tokenizer", "bos_token": "<|im_start|>", "eos_token": "<end_of_utterance>",
+        "pad_token": "<|endoftext|>", "model_max_length": 8192, "padding_side": "right",
+        "extra_special_tokens": {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                                 "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"},
+    }, indent=2))
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": SMOLVLM_TEMPLATE}, indent=2))
+    px, patch = size["image"], size["patch"]
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "SmolVLMImageProcessor", "processor_class": "SmolVLMProcessor",
+        "do_image_splitting": True, "do_pad": True, "do_resize": True, "do_rescale": True, "do_normalize": True,
+        "do_convert_rgb": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 1,
+        "size": {"longest_edge": px * 4}, "max_image_size": {"longest_edge": px},
+    }, indent=2))
+    (out / "processor_config.json").write_text(json.dumps({
+        "processor_class": "SmolVLMProcessor", "image_seq_len": (px // patch) ** 2 // 4}, indent=2))
+    hidden, layers, heads, kv, mlp = size["text"]
+    v_hidden, v_layers, v_heads, v_mlp = size["vision"]
+    config = SmolVLMConfig(
+        text_config=dict(model_type="llama", vocab_size=tok.get_vocab_size(), hidden_size=hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+                         intermediate_size=mlp, max_position_embeddings=8192, rope_theta=100000.0,
+                         bos_token_id=ids["<|im_start|>"], eos_token_id=ids["<end_of_utterance>"],
+                         pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=True),
+        vision_config=dict(hidden_size=v_hidden, num_hidden_layers=v_layers, num_attention_heads=v_heads,
+                           intermediate_size=v_mlp, image_size=px, patch_size=patch),
+        scale_factor=2, image_token_id=ids["<image>"], pad_token_id=ids["<|endoftext|>"],
+    )
+    config.vlamux_random_weights = True
+    _save(SmolVLMForConditionalGeneration, config, out, seed)
+    return out
+
+
+def _write_paligemma(size: dict, out: Path, seed: int) -> Path:
+    from transformers import PaliGemmaConfig, PaliGemmaForConditionalGeneration
+
+    tok = _tokenizer(PALIGEMMA_SPECIAL, 800)
+    tok.save(str(out / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in PALIGEMMA_SPECIAL}
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>",
+        "unk_token": "<unk>", "model_max_length": 8192, "padding_side": "right",
+        "extra_special_tokens": {"image_token": "<image>"},
+    }, indent=2))
+    px, patch = size["image"], size["patch"]
+    (out / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "SiglipImageProcessor", "processor_class": "PaliGemmaProcessor",
+        "image_seq_length": (px // patch) ** 2, "size": {"height": px, "width": px}, "resample": 3,
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    }, indent=2))
+    hidden, layers, heads, kv, mlp = size["text"]
+    v_hidden, v_layers, v_heads, v_mlp = size["vision"]
+    vocab = tok.get_vocab_size()
+    config = PaliGemmaConfig(
+        text_config=dict(model_type="gemma", vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=mlp,
+                         head_dim=hidden // heads, max_position_embeddings=8192, bos_token_id=ids["<bos>"],
+                         eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"]),
+        vision_config=dict(hidden_size=v_hidden, num_hidden_layers=v_layers, num_attention_heads=v_heads,
+                           intermediate_size=v_mlp, image_size=px, patch_size=patch, vision_use_head=False),
+        image_token_index=ids["<image>"], vocab_size=vocab, projection_dim=hidden, hidden_size=hidden,
+        pad_token_id=ids["<pad>"], bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"],
+    )
+    config.vlamux_random_weights = True
+    _save(PaliGemmaForConditionalGeneration, config, out, seed)
+    return out
+
+
 def _save(model_class, config, out: Path, seed: int) -> None:
     from vlamux.utils.seeding import seeded
 
@@ -127,4 +231,4 @@ def _save(model_class, config, out: Path, seed: int) -> None:
     del model
 
 
-_WRITERS = {"qwen2_5_vl": _write_qwen2_5_vl}
+_WRITERS = {"qwen2_5_vl": _write_qwen2_5_vl, "smolvlm": _write_smolvlm, "paligemma": _write_paligemma}
