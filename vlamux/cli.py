@@ -112,7 +112,10 @@ def main(ctx: click.Context, url: str, key: str | None, timeout: float, max_retr
 @click.option("--port", type=int, default=8321, show_default=True)
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("data/service"),
               show_default=True, help="Store, datasets, checkpoints.")
-@click.option("--backbone", default="tiny", show_default=True, help="Backbone preset.")
+@click.option("--backbone", default="tiny", show_default=True,
+              help="The default backbone: a built-in preset, or a model directory (a transformers VLM).")
+@click.option("--add-backbone", "extra_backbones", multiple=True, metavar="NAME=PRESET_OR_DIR",
+              help="Another backbone the services hold at once (repeatable); job specs and slots name it.")
 @click.option("--device", default="auto", show_default=True,
               help="Where the model services run: auto (CUDA when present), cpu, cuda, cuda:N.")
 @click.option("--dtype", default="auto", show_default=True,
@@ -130,11 +133,11 @@ def main(ctx: click.Context, url: str, key: str | None, timeout: float, max_retr
 @click.option("--max-body-mb", type=float, default=64.0, show_default=True, help="Largest request body.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
-def serve(host, port, data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
-          ray_address, store_url, admin_key, max_body_mb, log_level) -> None:
+def serve(host, port, data_dir, backbone, extra_backbones, device, dtype, training_device, inference_devices,
+          inference_replicas, ray_address, store_url, admin_key, max_body_mb, log_level) -> None:
     """Run the services and the HTTP API until interrupted (embedded runtime unless --ray)."""
     config = serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
-                          ray_address, store_url, max_body_mb)
+                          ray_address, store_url, max_body_mb, extra_backbones)
     from vlamux.api.server import serve as run
 
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -142,12 +145,22 @@ def serve(host, port, data_dir, backbone, device, dtype, training_device, infere
 
 
 def serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
-                 ray_address, store_url, max_body_mb):
+                 ray_address, store_url, max_body_mb, extra_backbones=()):
     """`vlamux serve`'s options as a ServiceConfig; a device or dtype this machine cannot run is a usage
     error now, not a failure after start-up (on Ray, devices are the actors' and checked there)."""
     from vlamux.api.host import ServiceConfig
     from vlamux.model.device import resolve_device, resolve_dtype
 
+    from vlamux.model.backbones import spec_from_arg
+
+    for opt, value in [("--backbone", backbone)] + [("--add-backbone", b) for b in extra_backbones]:
+        name, sep, what = value.partition("=")
+        if opt == "--add-backbone" and not (sep and name and what):
+            raise click.BadParameter(f"{value!r}: expected NAME=PRESET_OR_DIR", param_hint=opt)
+        try:
+            spec_from_arg(what if opt == "--add-backbone" else value)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint=opt) from None
     devices = tuple(d.strip() for d in inference_devices.split(",") if d.strip()) if inference_devices else ()
     if not ray_address:
         for opt, name in [("--device", device), ("--training-device", training_device)] + \
@@ -158,7 +171,8 @@ def serve_config(data_dir, backbone, device, dtype, training_device, inference_d
                 resolve_dtype(dtype, resolve_device(name))
             except ValueError as e:
                 raise click.BadParameter(str(e), param_hint=opt if "dtype" not in str(e) else "--dtype") from None
-    return ServiceConfig(data_dir=data_dir, store_url=store_url, backbone=backbone, device=device, dtype=dtype,
+    return ServiceConfig(data_dir=data_dir, store_url=store_url, backbone=backbone,
+                         extra_backbones=tuple(extra_backbones), device=device, dtype=dtype,
                          training_device=training_device, inference_devices=devices,
                          inference_replicas=inference_replicas, ray_address=ray_address, max_body_mb=max_body_mb)
 
@@ -314,6 +328,18 @@ def tenants_quotas(ctx, tenant_id: str, **quotas) -> None:
     click.echo(json.dumps(t["quotas"]))
 
 
+@main.command()
+@click.pass_context
+def backbones(ctx) -> None:
+    """The backbones the service holds (the first is the default)."""
+    rows = _client(ctx).backbones()
+    for r in rows:
+        r["family"] = r.get("family") or r["kind"]
+        r["resident_mb"] = r["resident_bytes"] / 2 ** 20
+        r["params_m"] = r["parameters"] / 1e6
+    _table(rows, ["name", "family", "id", "params_m", "dtype", "resident_mb", "tokens_per_camera", "default"])
+
+
 @main.group(cls=_Group)
 def keys() -> None:
     """The API keys of the caller's tenant."""
@@ -434,6 +460,10 @@ def bench(name: str | None, args) -> None:
     rc = subprocess.call([sys.executable, str(BENCH_DIR / f"{name}.py"), *args], env=os.environ.copy())
     sys.exit(rc)
 
+
+from vlamux.backbone_cli import backbone  # noqa: E402  (a group of its own: it needs no server)
+
+main.add_command(backbone)
 
 if __name__ == "__main__":
     main()

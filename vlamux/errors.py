@@ -26,3 +26,7 @@ class UnknownTenantError(VlamuxError, KeyError):
 
 class IncompatibleError(VlamuxError):
     """A checkpoint or request does not fit the slot or backbone it was given to."""
+
+
+class UnknownBackboneError(VlamuxError, ValueError):
+    """A request names a backbone the service does not hold; the message lists those it does."""

@@ -177,6 +177,10 @@ def create_app(host: ServiceHost) -> FastAPI:
         return Response(status_code=204)
 
     # ---- datasets and jobs -----------------------------------------------------------------
+    @app.get("/v1/backbones")
+    def backbones(p: Principal = Depends(principal)):
+        return {"backbones": host.backbones()}
+
     @app.get("/v1/datasets")
     def datasets(t: str = Depends(tenant)):
         return {"datasets": host.datasets()}
@@ -187,9 +191,9 @@ def create_app(host: ServiceHost) -> FastAPI:
         check_optimizer(spec.get("optimizer"))
         # The Master Service checks the backbone only after the job's record is made (which would
         # then stay "queued" for ever, counting against the tenant's job quota): check it first.
-        if "backbone" in spec and spec["backbone"] != host.config.backbone:
-            raise invalid("backbone", f"this service runs the {host.config.backbone!r} backbone, "
-                                       f"the spec asks for {spec['backbone']!r}")
+        held = host.runtime.backbone_names()
+        if spec.get("backbone") is not None and spec["backbone"] not in held:
+            raise invalid("backbone", f"this service holds {held}, the spec asks for {spec['backbone']!r}")
         return {"job": host.submit_job(t, spec)}
 
     @app.get("/v1/jobs")

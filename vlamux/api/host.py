@@ -52,7 +52,8 @@ class QuotaExceeded(VlamuxError):
 class ServiceConfig:
     data_dir: Path = Path("data/service")
     store_url: str | None = None
-    backbone: str = "tiny"
+    backbone: str = "tiny"  # the default backbone: a built-in preset, or a model directory (hf)
+    extra_backbones: tuple = ()  # more the services hold at once: "NAME=PRESET_OR_DIRECTORY" each
     # Placement (RuntimeConfig's): "auto" is CUDA where present; dtype "auto": bf16 on CUDA, fp32 on a CPU.
     device: str = "auto"
     dtype: str = "auto"
@@ -137,11 +138,17 @@ class ServiceHost:
         return EmbeddedRuntime(RuntimeConfig(**self._placement(), environment=env)).start()
 
     def _placement(self) -> dict:
-        """The runtime's backbone and placement, as the service was configured."""
-        from vlamux.model import BackboneSpec
+        """The runtime's backbones and placement, as the service was configured."""
+        from vlamux.model.backbones import spec_from_arg
 
         c = self.config
-        return {"backbone": BackboneSpec(preset=c.backbone), "device": c.device, "dtype": c.dtype,
+        extra = {}
+        for item in c.extra_backbones:
+            name, sep, value = str(item).partition("=")
+            if not sep or not name or not value:
+                raise ValueError(f"extra backbone {item!r}: expected NAME=PRESET_OR_DIRECTORY")
+            extra[name] = spec_from_arg(value)
+        return {"backbone": spec_from_arg(c.backbone), "backbones": extra, "device": c.device, "dtype": c.dtype,
                 "training_device": c.training_device, "inference_devices": tuple(c.inference_devices),
                 "inference_replicas": c.inference_replicas}
 
@@ -161,6 +168,11 @@ class ServiceHost:
             import ray
 
             ray.shutdown()
+
+    def backbones(self) -> list[dict]:
+        """The backbones the services hold (GET /v1/backbones): name, id, kind, parameters, dtype,
+        resident memory, tokens per camera."""
+        return self.runtime.describe_backbones()
 
     # ---- authentication and tenants -------------------------------------------------------------
     def authenticate(self, secret: str) -> Principal | None:
@@ -203,7 +215,6 @@ class ServiceHost:
         """The tenant's spec, made safe to run: its slot key, and only paths inside the service."""
         raw = dict(raw)
         raw.setdefault("name", f"job-{job_id}")
-        raw.setdefault("backbone", self.config.backbone)
         raw["tenant"] = slot_key(tenant_id, job_id)
         if raw.get("init_from") is not None:
             raise JobSpecError("init_from: not available over the API; start from a policy's checkpoint with "
@@ -352,9 +363,13 @@ class ServiceHost:
 
         if not isinstance(body, dict):
             raise InvalidInputError("body: expected a JSON object")
-        unknown = set(body) - {"head", "optimizer", "seed", "name"}
+        unknown = set(body) - {"head", "optimizer", "seed", "name", "backbone"}
         if unknown:
-            raise InvalidInputError(f"{sorted(unknown)[0]}: unknown field; allowed: head, optimizer, seed, name")
+            raise InvalidInputError(f"{sorted(unknown)[0]}: unknown field; allowed: head, optimizer, seed, name, "
+                                    f"backbone")
+        backbone = body.get("backbone")
+        if backbone is not None and backbone not in self.runtime.backbone_names():
+            raise InvalidInputError(f"backbone: this service holds {self.runtime.backbone_names()}, not {backbone!r}")
         if "head" not in body:
             raise InvalidInputError("head: required")
         head = build(HeadSpec, body["head"], "head")
@@ -364,11 +379,11 @@ class ServiceHost:
             raise InvalidInputError(f"seed: expected an integer, got {seed!r}")
         policy_id = uuid.uuid4().hex[:12]
         workdir = self.data_dir / "tenants" / tenant_id / "slots" / policy_id
-        spec = {"head": asdict(head), "optimizer": asdict(optim), "seed": seed}
+        spec = {"head": asdict(head), "optimizer": asdict(optim), "seed": seed, "backbone": backbone}
         rec = self.store.create_job(tenant_id, body.get("name") or f"slot-{policy_id}", "slot", spec, str(workdir),
                                     job_id=policy_id)
         try:
-            self.runtime.create_slot(slot_key(tenant_id, policy_id), head, optim, seed).result(60)
+            self.runtime.create_slot(slot_key(tenant_id, policy_id), head, optim, seed, backbone=backbone).result(60)
         except Exception as e:
             self.store.set_job_state(rec.id, "failed", error=f"{type(e).__name__}: {e}")
             raise
@@ -390,7 +405,8 @@ class ServiceHost:
             try:
                 head = build(HeadSpec, rec.spec["head"], "head")
                 optim = build(OptimizerSpec, rec.spec["optimizer"], "optimizer")
-                self.runtime.create_slot(key, head, optim, rec.spec.get("seed", 0)).result(60)
+                self.runtime.create_slot(key, head, optim, rec.spec.get("seed", 0),
+                                         backbone=rec.spec.get("backbone")).result(60)
                 cps = self.store.list_checkpoints(rec.tenant_id, policy_id=rec.id)
                 if cps:
                     self.runtime.load_state(key, cps[0].path).result(60)

@@ -40,6 +40,7 @@ class SlotIn(_Body):
     optimizer: dict[str, Any] | None = None
     seed: int = Field(default=0, ge=0, le=2**31 - 1)
     name: str | None = Field(default=None, max_length=64)
+    backbone: str | None = Field(default=None, min_length=1, max_length=128)  # a name from GET /v1/backbones
 
 
 class OptimStepIn(_Body):

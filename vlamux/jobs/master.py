@@ -77,10 +77,9 @@ class MasterService:
         """Start a job. `job_dir` (default workdir/name) holds its checkpoint: a job submitted again
         with the same directory resumes from there."""
         spec = spec if isinstance(spec, JobSpec) else load_spec(spec)
-        preset = getattr(self.services.config.backbone, "preset", None)
-        if spec.backbone != preset:
-            raise JobSpecError(f"backbone: this service runs the {preset!r} backbone, the spec asks for "
-                               f"{spec.backbone!r}")
+        held = self.services.backbone_names()
+        if spec.backbone is not None and spec.backbone not in held:
+            raise JobSpecError(f"backbone: this service holds {held}, the spec asks for {spec.backbone!r}")
         with self._lock:
             if any(j.spec.tenant == spec.tenant and j.state in ("queued", "running") for j in self.jobs.values()):
                 raise JobSpecError(f"tenant: {spec.tenant!r} already has a running job (one slot per tenant)")
@@ -117,7 +116,7 @@ class MasterService:
             if spec.sft is not None and (resume is None or resume["phase"] == "sft"):
                 sft = SFTRun(svc, spec.tenant, spec.head.horizon, spec.sft)
                 stats = sft.open(_stats_mode(spec))
-            svc.create_slot(spec.tenant, spec.head, spec.optimizer, spec.seed, stats).result(120)
+            svc.create_slot(spec.tenant, spec.head, spec.optimizer, spec.seed, stats, backbone=spec.backbone).result(120)
             if resume is not None:
                 svc.load_state(spec.tenant, ckpt).result(120)
                 log.info("job %s resumes from %s (%s)", spec.name, ckpt, resume)

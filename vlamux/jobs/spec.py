@@ -3,7 +3,7 @@
     name: acme-touch
     tenant: acme
     kind: rl                      # sft | rl | eval
-    backbone: tiny                # must be the service's backbone preset
+    backbone: tiny                # one the service holds, by name (default: the service's first)
     head: {kind: gaussian, action_dim: 4, horizon: 4, state_dim: 8}
     optimizer: {lr: 1.0e-4}
     rl: {env: {task: goal/touch-red-cube, image_size: 32, n_action_steps: 2}, env_steps: 20000}
@@ -48,7 +48,7 @@ class JobSpec:
     tenant: str
     kind: str  # sft | rl | eval
     head: HeadSpec
-    backbone: str = "tiny"
+    backbone: str | None = None  # a backbone's name in the service (None: its default)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     sft: SFTConfig | None = None
     rl: RLConfig | None = None

@@ -90,6 +90,12 @@ class Client:
         return JobHandle(self._http, self._http.get(f"/v1/jobs/{job_id}")["job"])
 
     # ---- data, policies, training, environments ------------------------------------------------
+    def backbones(self) -> list[dict]:
+        """The backbones the service holds: name (what a spec's ``backbone`` and a training client's
+        ``backbone`` name), id, kind (builtin or hf, with its family), parameters, dtype, resident
+        bytes, tokens per camera; the first is the default."""
+        return self._http.get("/v1/backbones")["backbones"]
+
     def datasets(self) -> list[dict]:
         """The datasets on the service, by name (what a spec's ``sft.dataset`` names)."""
         return self._http.get("/v1/datasets")["datasets"]
@@ -102,8 +108,10 @@ class Client:
         return PolicyClient(self._http, policy_id)
 
     def training_client(self, head: dict | None = None, optimizer: dict | None = None, seed: int = 0,
-                        name: str | None = None, policy_id: str | None = None) -> TrainingClient:
-        """A new training slot with action head `head` (a HeadSpec dict), or (`policy_id`) an existing one."""
+                        name: str | None = None, policy_id: str | None = None, backbone: str | None = None
+                        ) -> TrainingClient:
+        """A new training slot with action head `head` (a HeadSpec dict) on `backbone` (a name from
+        `backbones()`; default the service's first), or (`policy_id`) an existing one."""
         if policy_id is not None:
             info = self._http.get(f"/v1/policies/{policy_id}")["policy"]
             if info.get("source") != "training_slot":
@@ -113,6 +121,8 @@ class Client:
         if head is None:
             raise InvalidInputError(None, "invalid_input", "head: required (or policy_id)", "head")
         body: dict[str, Any] = {"head": head, "seed": seed}
+        if backbone is not None:
+            body["backbone"] = backbone
         if optimizer is not None:
             body["optimizer"] = optimizer
         if name is not None:

@@ -31,11 +31,11 @@ class _Predict:
 
 
 class InferenceModelService(EngineLoop):
-    def __init__(self, backbone: Backbone, queue: InferenceQueueConfig | None = None, name: str = "inference-0",
-                 fuse_heads: bool = True):
+    def __init__(self, backbone: Backbone | list[Backbone], queue: InferenceQueueConfig | None = None,
+                 name: str = "inference-0", fuse_heads: bool = True):
         self.name = name
-        self.runner = ModelRunner(backbone, fuse_heads=fuse_heads)
-        self.backbone = backbone
+        self.runner = ModelRunner(backbone, fuse_heads=fuse_heads)  # every backbone the replica serves
+        self.backbone = self.runner.backbones[self.runner.default_backbone]
         self.queue = InferenceQueue(queue)
         self.accounting = Accounting()
         self._staged: dict[str, PolicySnapshot] = {}
@@ -44,9 +44,9 @@ class InferenceModelService(EngineLoop):
     # ---- control plane ----------------------------------------------------------------------------
     def stage_policy(self, snap: PolicySnapshot) -> None:
         """Receive a tenant's policy version; it takes effect between two groups."""
-        if snap.backbone_id != self.backbone.backbone_id:
+        if snap.backbone_id not in self.runner.backbones:
             raise ValueError(f"{self.name}: snapshot for backbone {snap.backbone_id!r}, replica serves "
-                             f"{self.backbone.backbone_id!r}")
+                             f"{sorted(self.runner.backbones)}")
         with self._staged_lock:
             old = self._staged.get(snap.tenant)
             if old is None or old.version <= snap.version:

@@ -26,7 +26,7 @@ from pathlib import Path
 import ray
 import torch
 
-from vlamux.errors import UnknownTenantError
+from vlamux.errors import UnknownBackboneError, UnknownTenantError
 from vlamux.model import BackboneSpec, HeadSpec, Observation, OptimizerSpec
 from vlamux.model.slot import PolicySnapshot
 from vlamux.services.control import PolicyPublisher
@@ -34,7 +34,7 @@ from vlamux.services.environment import EnvironmentService, obs_to_observation
 from vlamux.services.health import HealthManager, Role
 from vlamux.services.inference import InferenceModelService
 from vlamux.services.queues import InferenceQueueConfig
-from vlamux.services.runtime import RuntimeConfig, _Recipe, placed_backbone
+from vlamux.services.runtime import RuntimeConfig, _Recipe, placed_backbones
 from vlamux.services.training import TrainingModelService
 
 log = logging.getLogger(__name__)
@@ -66,10 +66,10 @@ class _Actor:
 
 
 class InferenceActor(_Actor):
-    def __init__(self, backbone: BackboneSpec, queue: InferenceQueueConfig, name: str, device: str = "auto",
-                 torch_threads: int | None = None, dtype: str = "auto", fuse_heads: bool = True):
+    def __init__(self, backbones: dict[str, BackboneSpec], queue: InferenceQueueConfig, name: str,
+                 device: str = "auto", torch_threads: int | None = None, dtype: str = "auto", fuse_heads: bool = True):
         self._init(torch_threads)
-        self.svc = InferenceModelService(placed_backbone(backbone, device, dtype), queue, name,
+        self.svc = InferenceModelService(list(placed_backbones(backbones, device, dtype).values()), queue, name,
                                          fuse_heads=fuse_heads).start()
 
     def stage_policy(self, snap: PolicySnapshot) -> None:
@@ -96,7 +96,7 @@ class InferenceActor(_Actor):
 
 
 class TrainingActor(_Actor):
-    def __init__(self, backbone: BackboneSpec, max_staleness: int | None, max_group_rows: int | None,
+    def __init__(self, backbones: dict[str, BackboneSpec], max_staleness: int | None, max_group_rows: int | None,
                  device: str = "auto", torch_threads: int | None = None, dtype: str = "auto",
                  fuse_heads: bool = True):
         self._init(torch_threads)
@@ -104,7 +104,8 @@ class TrainingActor(_Actor):
         self.publisher.start()
         self._sent: list = []  # stage_policy calls not yet known to have landed (flush waits for them)
         self._sent_lock = threading.Lock()
-        self.svc = TrainingModelService(placed_backbone(backbone, device, dtype), self.publisher, max_staleness,
+        self.backbones = placed_backbones(backbones, device, dtype)
+        self.svc = TrainingModelService(list(self.backbones.values()), self.publisher, max_staleness,
                                         max_group_rows, fuse_heads=fuse_heads).start()
 
     def subscribe(self, name: str, replica) -> None:
@@ -140,8 +141,11 @@ class TrainingActor(_Actor):
             self._sent.extend(pending)
         return not pending
 
-    def create_slot(self, tenant, head_spec, optim=None, seed=0, stats=None):
-        return self.svc.create_slot(tenant, head_spec, optim, seed, stats).result(CALL_TIMEOUT_S)
+    def create_slot(self, tenant, head_spec, optim=None, seed=0, stats=None, backbone_id=None):
+        return self.svc.create_slot(tenant, head_spec, optim, seed, stats, backbone_id).result(CALL_TIMEOUT_S)
+
+    def describe_backbones(self) -> list[dict]:
+        return [{"name": n, "default": i == 0, **b.describe()} for i, (n, b) in enumerate(self.backbones.items())]
 
     def forward_backward(self, tenant, obs, actions, action_mask=None, policy_version=None, priority=0, loss=None):
         if isinstance(obs, dict):
@@ -171,9 +175,10 @@ class TrainingActor(_Actor):
         # through the Training Queue (never from the middle of a step), complete before it is pickled
         return self.svc.export_policy(tenant).result(CALL_TIMEOUT_S).ready()
 
-    def restore(self, tenant, head_spec, optim, seed, checkpoint=None, snapshot=None) -> int:
+    def restore(self, tenant, head_spec, optim, seed, checkpoint=None, snapshot=None, backbone_id=None) -> int:
         """Rebuild a tenant's slot after a restart: from its checkpoint, else its newest published policy."""
-        slot = self.svc.runner.slots.get(tenant) or self.svc.runner.create_slot(tenant, head_spec, optim, seed)
+        slot = self.svc.runner.slots.get(tenant) or self.svc.runner.create_slot(tenant, head_spec, optim, seed,
+                                                                               backbone_id)
         if checkpoint is not None:
             slot.load_state(checkpoint)
             if snapshot is not None and snapshot.version >= slot.version:
@@ -251,6 +256,7 @@ class RayRuntime:
         self._draining: set[str] = set()
         self._restoring: set[str] = set()  # roles the Health Manager is restarting
         self._stopping = False
+        self._backbones: list[dict] | None = None  # the training actor's, read once
 
     def _actor(self, cls, role_options: dict, max_concurrency: int = 64):
         return ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=max_concurrency)(cls).options(
@@ -260,8 +266,8 @@ class RayRuntime:
     def start(self) -> RayRuntime:
         c = self.config
         self.training = self._actor(TrainingActor, c.training_actor).remote(
-            c.backbone, c.max_staleness, c.max_group_rows, c.role_device("training"), c.torch_threads, c.dtype,
-            c.fuse_heads)
+            c.named_backbones(), c.max_staleness, c.max_group_rows, c.role_device("training"), c.torch_threads,
+            c.dtype, c.fuse_heads)
         self._incarnations["training"] = self._ping(self.training)["incarnation"]
         self.health.watch(self._role("training", lambda: self.training, self._restore_training))
         for _ in range(c.environment_replicas):
@@ -345,10 +351,28 @@ class RayRuntime:
 
     # ---- training ---------------------------------------------------------------------------------
     def create_slot(self, tenant: str, head_spec: HeadSpec, optim: OptimizerSpec | None = None, seed: int = 0,
-                    stats: dict | None = None) -> Future:
+                    stats: dict | None = None, backbone: str | None = None) -> Future:
+        backbone_id = self.backbone_id(backbone)
         with self._lock:
-            self._recipes[tenant] = _Recipe(head_spec, optim, seed)
-        return self._remember_after(tenant, self.training.create_slot.remote(tenant, head_spec, optim, seed, stats))
+            self._recipes[tenant] = _Recipe(head_spec, optim, seed, backbone_id)
+        return self._remember_after(tenant, self.training.create_slot.remote(tenant, head_spec, optim, seed, stats,
+                                                                            backbone_id))
+
+    def describe_backbones(self) -> list[dict]:
+        if self._backbones is None:
+            self._backbones = ray.get(self.training.describe_backbones.remote(), timeout=CALL_TIMEOUT_S)
+        return self._backbones
+
+    def backbone_names(self) -> list[str]:
+        return list(self.config.named_backbones())
+
+    def backbone_id(self, name: str | None = None) -> str:
+        held = {b["name"]: b["id"] for b in self.describe_backbones()}
+        if name is None:
+            return next(iter(held.values()))
+        if name not in held:
+            raise UnknownBackboneError(f"backbone: this service holds {sorted(held)}, not {name!r}")
+        return held[name]
 
     def forward_backward(self, tenant: str, obs, actions, action_mask=None, policy_version=None,
                          priority: int = 0, loss=None) -> Future:
@@ -417,8 +441,8 @@ class RayRuntime:
             recipes, checkpoints = dict(self._recipes), dict(self._checkpoints)
         ray.get([self.training.subscribe.remote(name, handle) for name, handle in list(self.replicas.items())],
                 timeout=CALL_TIMEOUT_S)
-        refs = [self.training.restore.remote(t, r.head_spec, r.optim, r.seed, checkpoints.get(t), self.latest.get(t))
-                for t, r in recipes.items()]
+        refs = [self.training.restore.remote(t, r.head_spec, r.optim, r.seed, checkpoints.get(t), self.latest.get(t),
+                                             r.backbone_id) for t, r in recipes.items()]
         ray.get(refs, timeout=CALL_TIMEOUT_S)
         for t in recipes:
             snap = ray.get(self.training.export_policy.remote(t), timeout=CALL_TIMEOUT_S)
@@ -431,7 +455,7 @@ class RayRuntime:
         index = next(self._names)
         name = f"inference-{index}"
         handle = self._actor(InferenceActor, c.inference_actor, max_concurrency=4096).remote(
-            c.backbone, c.inference_queue, name, c.role_device("inference", index), c.torch_threads, c.dtype,
+            c.named_backbones(), c.inference_queue, name, c.role_device("inference", index), c.torch_threads, c.dtype,
             c.fuse_heads)
         self._incarnations[name] = self._ping(handle)["incarnation"]
         with self._lock:

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vlamux.errors import UnknownTenantError
+from vlamux.errors import UnknownBackboneError, UnknownTenantError
 from vlamux.model import Backbone, BackboneSpec, HeadSpec, Observation, OptimizerSpec, build_backbone
 from vlamux.model.device import resolve_device, resolve_dtype
 from vlamux.model.slot import PolicySnapshot
@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RuntimeConfig:
-    backbone: BackboneSpec = field(default_factory=BackboneSpec)
+    backbone: BackboneSpec = field(default_factory=BackboneSpec)  # the default: slots that name none read it
+    backbones: dict = field(default_factory=dict)  # more backbones the services hold at once, by name
     # Placement. `device` is every model service's unless its role names one: "auto" is CUDA where
     # present; training and each inference replica may sit on different GPUs ("cuda:0", "cuda:1";
     # replica i takes inference_devices[i % len]). `dtype` is the backbone's precision ("auto":
@@ -54,6 +55,16 @@ class RuntimeConfig:
             if name is not None and not isinstance(name, str):
                 raise ValueError(f"runtime config: devices are strings such as 'auto', 'cpu', 'cuda:1'; got {name!r}")
 
+    def named_backbones(self) -> dict[str, BackboneSpec]:
+        """Every backbone by the name job specs and slots use: the default first (named after its preset,
+        or its directory), then `backbones`."""
+        out = {backbone_name(self.backbone): self.backbone}
+        for name, spec in self.backbones.items():
+            if name in out:
+                raise ValueError(f"runtime config: two backbones are named {name!r}")
+            out[name] = spec
+        return out
+
     def role_device(self, role: str, index: int = 0) -> str:
         """The device a role is placed on: "training" or "inference" (replica `index`), unresolved."""
         if role == "training":
@@ -62,6 +73,15 @@ class RuntimeConfig:
             return self.inference_devices[index % len(self.inference_devices)] if self.inference_devices \
                 else self.device
         raise ValueError(f"unknown role {role!r}")
+
+
+def backbone_name(spec: BackboneSpec) -> str:
+    """A backbone's name in a service: a built-in one's preset, an hf one's directory name."""
+    return Path(spec.path).name if spec.kind == "hf" else spec.preset
+
+
+def placed_backbones(specs: dict[str, BackboneSpec], device: str, dtype: str) -> dict[str, Backbone]:
+    return {name: placed_backbone(spec, device, dtype) for name, spec in specs.items()}
 
 
 def placed_backbone(spec: BackboneSpec, device: str, dtype: str) -> Backbone:
@@ -75,13 +95,14 @@ class _Recipe:
     head_spec: HeadSpec
     optim: OptimizerSpec | None
     seed: int
+    backbone_id: str | None = None
 
 
 class EmbeddedRuntime:
     def __init__(self, config: RuntimeConfig | None = None):
         self.config = config or RuntimeConfig()
-        self._backbones: dict[str, Backbone] = {}  # one resident backbone per device, shared by its roles
-        self.backbone = self._backbone_on(self.config.role_device("training"))
+        self._backbones: dict[str, dict[str, Backbone]] = {}  # device -> name -> backbone, shared by its roles
+        self.backbone = next(iter(self._backbones_on(self.config.role_device("training")).values()))
         self.publisher = PolicyPublisher()
         self.latest: dict[str, PolicySnapshot] = {}  # newest published version per tenant
         self.publisher.subscribe("runtime", self._remember)
@@ -128,10 +149,34 @@ class EmbeddedRuntime:
 
     # ---- training (recorded so a restarted training role can rebuild its tenants) -----------------
     def create_slot(self, tenant: str, head_spec: HeadSpec, optim: OptimizerSpec | None = None, seed: int = 0,
-                    stats: dict | None = None) -> Future:
+                    stats: dict | None = None, backbone: str | None = None) -> Future:
+        """backbone: the name of the backbone the tenant's head reads (default: the service's first)."""
+        backbone_id = self.backbone_id(backbone)
         with self._lock:
-            self._recipes[tenant] = _Recipe(head_spec, optim, seed)
-        return self.training.create_slot(tenant, head_spec, optim, seed, stats)
+            self._recipes[tenant] = _Recipe(head_spec, optim, seed, backbone_id)
+        return self.training.create_slot(tenant, head_spec, optim, seed, stats, backbone_id)
+
+    def backbone_names(self) -> list[str]:
+        return list(self.config.named_backbones())
+
+    def backbone_id(self, name: str | None = None) -> str:
+        """The id of the backbone named `name` (None: the default)."""
+        held = self._backbones_on(self.config.role_device("training"))
+        if name is None:
+            return next(iter(held.values())).backbone_id
+        if name not in held:
+            raise UnknownBackboneError(f"backbone: this service holds {sorted(held)}, not {name!r}")
+        return held[name].backbone_id
+
+    def describe_backbones(self) -> list[dict]:
+        """Every backbone the services hold: name, id, kind, parameters, dtype, resident memory, ..."""
+        held = self._backbones_on(self.config.role_device("training"))
+        out = []
+        for i, (name, b) in enumerate(held.items()):
+            desc = {"name": name, "default": i == 0, **b.describe()}
+            desc["devices"] = sorted({str(self._backbones[d][name].device) for d in self._backbones})
+            out.append(desc)
+        return out
 
     def save_state(self, tenant: str, path: str | Path) -> Future:
         return self._tracked(tenant, path, self.training.save_state(tenant, path))
@@ -153,14 +198,15 @@ class EmbeddedRuntime:
     def optim_step(self, tenant: str, **kwargs) -> Future:
         return self.training.optim_step(tenant, **kwargs)
 
-    def _backbone_on(self, device: str) -> Backbone:
+    def _backbones_on(self, device: str) -> dict[str, Backbone]:
         key = str(resolve_device(device))
         if key not in self._backbones:
-            self._backbones[key] = placed_backbone(self.config.backbone, key, self.config.dtype)
+            self._backbones[key] = placed_backbones(self.config.named_backbones(), key, self.config.dtype)
         return self._backbones[key]
 
     def _new_training(self) -> TrainingModelService:
-        return TrainingModelService(self.backbone, self.publisher, self.config.max_staleness,
+        held = list(self._backbones_on(self.config.role_device("training")).values())
+        return TrainingModelService(held, self.publisher, self.config.max_staleness,
                                     self.config.max_group_rows, fuse_heads=self.config.fuse_heads)
 
     def _restart_training(self) -> None:
@@ -175,7 +221,7 @@ class EmbeddedRuntime:
         with self._lock:
             recipes, checkpoints = dict(self._recipes), dict(self._checkpoints)
         for tenant, r in recipes.items():
-            slot = new.runner.create_slot(tenant, r.head_spec, r.optim, r.seed)
+            slot = new.runner.create_slot(tenant, r.head_spec, r.optim, r.seed, r.backbone_id)
             published = self.latest.get(tenant)
             if tenant in checkpoints:
                 slot.load_state(checkpoints[tenant])
@@ -202,8 +248,8 @@ class EmbeddedRuntime:
         return name
 
     def _start_replica(self, name: str) -> InferenceModelService:
-        svc = InferenceModelService(self._backbone_on(self._devices[name]), self.config.inference_queue, name,
-                                    fuse_heads=self.config.fuse_heads)
+        svc = InferenceModelService(list(self._backbones_on(self._devices[name]).values()),
+                                    self.config.inference_queue, name, fuse_heads=self.config.fuse_heads)
         self.publisher.subscribe(name, svc.stage_policy)
         for snap in list(self.latest.values()):  # it serves every tenant from its newest version on
             svc.stage_policy(snap)

@@ -37,22 +37,25 @@ class _CreateSlot:
     optim: OptimizerSpec | None
     seed: int
     stats: dict | None
+    backbone_id: str | None = None
 
 
 class TrainingModelService(EngineLoop):
-    def __init__(self, backbone: Backbone, publisher: PolicyPublisher | None = None, max_staleness: int | None = None,
-                 max_group_rows: int | None = None, name: str = "training", fuse_heads: bool = True):
+    def __init__(self, backbone: Backbone | list[Backbone], publisher: PolicyPublisher | None = None,
+                 max_staleness: int | None = None, max_group_rows: int | None = None, name: str = "training",
+                 fuse_heads: bool = True):
         self.name = name
-        self.backbone = backbone
-        self.runner = ModelRunner(backbone, fuse_heads=fuse_heads)
+        self.runner = ModelRunner(backbone, fuse_heads=fuse_heads)  # every backbone this service holds
+        self.backbone = self.runner.backbones[self.runner.default_backbone]
         self.publisher = publisher
         self.queue = TrainingQueue(self.version, max_staleness, max_group_rows)
         self.accounting = Accounting()
 
     # ---- operations (each returns a future; one tenant's run in submission order) -----------------
     def create_slot(self, tenant: str, head_spec: HeadSpec, optim: OptimizerSpec | None = None, seed: int = 0,
-                    stats: dict[str, NormStats] | None = None) -> Future:
-        return self.queue.submit(TrainOp(tenant, "create_slot", _CreateSlot(head_spec, optim, seed, stats)))
+                    stats: dict[str, NormStats] | None = None, backbone_id: str | None = None) -> Future:
+        """backbone_id: which of the service's backbones the tenant's head reads (default: the first)."""
+        return self.queue.submit(TrainOp(tenant, "create_slot", _CreateSlot(head_spec, optim, seed, stats, backbone_id)))
 
     def forward_backward(self, tenant: str, obs: Observation, actions: Tensor, action_mask: Tensor | None = None,
                          policy_version: int | None = None, priority: int = 0, loss: PolicyLoss | None = None
@@ -128,7 +131,7 @@ class TrainingModelService(EngineLoop):
     def _run_op(self, op: TrainOp):
         if op.kind == "create_slot":
             c: _CreateSlot = op.payload
-            slot = self.runner.create_slot(op.tenant, c.head_spec, c.optim, c.seed)
+            slot = self.runner.create_slot(op.tenant, c.head_spec, c.optim, c.seed, c.backbone_id)
             if c.stats:
                 slot.set_stats(**c.stats)
             self._publish(op.tenant)

@@ -27,7 +27,7 @@ from vlamux.utils.io import atomic_save_safetensors
 from vlamux.utils.seeding import seeded
 
 __all__ = ["Backbone", "BackboneSpec", "BuiltinBackbone", "BuiltinConfig", "PRESETS", "SHIPPED", "build_backbone",
-           "save_backbone", "load_backbone"]
+           "save_backbone", "load_backbone", "spec_from_arg"]
 
 # Weights that ship with the package, by name (`BackboneSpec(weights="tiny-tabletop")`): the tiny preset
 # pretrained on the built-in suite's demonstrations by `python -m vlamux.pretrain` (docs/RESULTS.md).
@@ -70,6 +70,19 @@ def _build_hf(spec: BackboneSpec, dtype: torch.dtype) -> Backbone:
     if not spec.path:
         raise ValueError("backbone spec: kind 'hf' needs path (a local model directory)")
     return load_hf_backbone(spec, dtype)
+
+
+def spec_from_arg(value: str, **hf_options) -> BackboneSpec:
+    """A backbone named on a command line: a built-in preset ("tiny"), shipped weights
+    ("tiny-tabletop"), or a model directory (an hf VLM)."""
+    if value in PRESETS:
+        return BackboneSpec(preset=value)
+    if value in SHIPPED:
+        return BackboneSpec(preset=value.split("-")[0], weights=value)
+    if Path(value).expanduser().is_dir():
+        return BackboneSpec(kind="hf", path=str(Path(value).expanduser()), **hf_options)
+    raise ValueError(f"backbone {value!r}: not a preset ({sorted(PRESETS)}), shipped weights ({sorted(SHIPPED)}) "
+                     f"or a model directory")
 
 
 def build_backbone(spec: BackboneSpec | None = None, device: str | torch.device = "cpu",

@@ -21,6 +21,7 @@ class Backbone(nn.Module, abc.ABC):
     """
 
     backbone_id: str
+    kind: str = "builtin"
     schema: InputSchema
     tokenizer: ByteTokenizer
 
@@ -76,3 +77,11 @@ class Backbone(nn.Module, abc.ABC):
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    def describe(self) -> dict:
+        """What a service lists for this backbone (GET /v1/backbones)."""
+        m = self.meta
+        resident = sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])
+        return {"id": self.backbone_id, "kind": self.kind, "parameters": self.num_parameters(),
+                "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device), "resident_bytes": resident,
+                "hidden_dim": m.hidden_dim, "layers": m.n_layers, "tokens_per_camera": m.patches_per_camera}

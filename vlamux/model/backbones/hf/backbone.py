@@ -38,6 +38,8 @@ class HFBatch:
 
 
 class HFBackbone(Backbone):
+    kind = "hf"
+
     def __init__(self, model_dir: ModelDir, family: Family, backbone_id: str, dtype: torch.dtype = torch.float32,
                  layer: int | None = None, max_layers: int | None = None, image_size: int | None = None):
         super().__init__()
@@ -73,6 +75,10 @@ class HFBackbone(Backbone):
     @property
     def meta(self) -> FeatureMeta:
         return FeatureMeta(self.backbone_id, self.hidden_dim, self.depth, 0, self.tokens_per_camera())
+
+    def describe(self) -> dict:
+        return {**super().describe(), "family": self.family.name, "path": str(self.model_dir.path),
+                "random_weights": self.model_dir.random_weights, "image_size": self.image_size}
 
     def tokens_per_camera(self, size: int | None = None) -> int:
         """Image tokens one camera costs at `size` px square (default: the spec's image_size, else 224)."""

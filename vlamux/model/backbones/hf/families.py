@@ -7,6 +7,7 @@ them.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass, field
 
@@ -14,6 +15,21 @@ import torch
 from torch import Tensor
 
 from vlamux.model.backbones.hf.directory import ModelDirError
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' warnings and progress bars off for a block (loads and writes vlamux makes on purpose)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
 
 
 def _import(path: str):
@@ -65,19 +81,12 @@ class Family:
 
     # ---- loading --------------------------------------------------------------------------------
     def model(self, path, dtype: torch.dtype, attn: str):
-        from transformers.utils import logging as hf_logging
-
         cls = _import(self.model_class)
-        verbosity = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()  # the load report lists the LM head this base model leaves out
-        hf_logging.disable_progress_bar()
         try:
-            return cls.from_pretrained(str(path), dtype=dtype, attn_implementation=attn, local_files_only=True)
+            with quiet_transformers():  # the load report lists the LM head this base model leaves out
+                return cls.from_pretrained(str(path), dtype=dtype, attn_implementation=attn, local_files_only=True)
         except OSError as e:
             raise ModelDirError(f"{path}: could not load {cls.__name__} ({e})") from None
-        finally:
-            hf_logging.set_verbosity(verbosity)
-            hf_logging.enable_progress_bar()
 
     def text_model(self, model):
         """The language model inside (its decoder layers carry the features)."""

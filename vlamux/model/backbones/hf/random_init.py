@@ -90,7 +90,10 @@ def write_random_model(family: str, size: str, out: str | Path, seed: int = 0, o
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ModelDirError(f"{out}: exists and is not empty (overwrite=True replaces it)")
     out.mkdir(parents=True, exist_ok=True)
-    return _WRITERS[family](sizes[size], out, seed)
+    from vlamux.model.backbones.hf.families import quiet_transformers
+
+    with quiet_transformers():
+        return _WRITERS[family](sizes[size], out, seed)
 
 
 def _write_qwen2_5_vl(size: dict, out: Path, seed: int) -> Path:
