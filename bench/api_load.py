@@ -93,6 +93,7 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, default=None)
     ap.add_argument("--seconds", type=float, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--backbone", default="tiny", metavar="PRESET_OR_DIR", help="the server's backbone")
     add_device_arguments(ap)
     args = ap.parse_args(argv)
     device, dtype = parse_device_arguments(ap, args)  # checked here, used by the server process
@@ -108,7 +109,7 @@ def main(argv=None) -> int:
     url = f"http://127.0.0.1:{port}"
     print(f"api load: {clients} tenants' clients for {seconds:.0f}s against {url}", flush=True)
     proc = spawn(data_dir, port, extra_args=("--log-level", "warning", "--device", str(device),
-                                             "--dtype", dtype_name(dtype)))
+                                             "--dtype", dtype_name(dtype), "--backbone", args.backbone))
     try:
         admin_key = (data_dir / "admin.key").read_text().strip()
         admin = Client(url, admin_key)

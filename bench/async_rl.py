@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 from common import PoolSampler, cpu_seconds, environment, print_table, write_json  # noqa: E402
 from vlamux.envs import EnvSpec  # noqa: E402
-from vlamux.model import BackboneSpec, HeadSpec, OptimizerSpec  # noqa: E402
+from vlamux.model import HeadSpec, OptimizerSpec  # noqa: E402
+from vlamux.model.backbones import spec_from_arg  # noqa: E402
 from vlamux.model.device import add_device_arguments, dtype_name, parse_device_arguments  # noqa: E402
 from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig  # noqa: E402
@@ -52,7 +53,7 @@ def lane_counters(rt: EmbeddedRuntime) -> dict:
 def make_runtime(kind: str, preset: str, batch_rows: int, threads: int, device: str = "auto", dtype: str = "auto"):
     """The services in this process (embedded), or as Ray actors in processes of their own."""
     queue = InferenceQueueConfig(batch_rows=batch_rows, max_wait_s=0.005)
-    place = {"backbone": BackboneSpec(preset=preset), "device": device, "dtype": dtype}
+    place = {"backbone": spec_from_arg(preset), "device": device, "dtype": dtype}
     if kind == "embedded":
         return EmbeddedRuntime(RuntimeConfig(**place, inference_queue=queue)).start()
     import ray
@@ -147,7 +148,8 @@ cfg_lr = 1e-4
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny budget: under a minute")
-    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--preset", "--backbone", dest="preset", default="tiny", metavar="PRESET_OR_DIR",
+                    help="the backbone: a built-in preset or a model directory")
     ap.add_argument("--env-steps", type=int, default=None, help="per tenant")
     ap.add_argument("--tenants", type=int, default=1, help="RL tenants per mode (D-VLA's experiment: one)")
     ap.add_argument("--image-size", type=int, default=None)

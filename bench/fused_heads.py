@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, interleaved_medians, parse_grid, print_table, write_json  # noqa: E402
 
-from vlamux.model import (BackboneSpec, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample,  # noqa: E402
-                          build_backbone, canonicalize)
+from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone  # noqa: E402
+from vlamux.model.backbones import spec_from_arg  # noqa: E402
 from vlamux.model.device import add_device_arguments, parse_device_arguments  # noqa: E402
 from vlamux.model.fused import stack_bucket  # noqa: E402
 from vlamux.synthetic import TaskProfile, make_batch  # noqa: E402
@@ -48,8 +48,7 @@ def build_cell(backbone, n: int, b: int, kind: str):
                            seed=i)
         profile = TaskProfile({"agentview": (32, 32), "wrist": (32, 32)}, 7, 8, 8, TEMPLATES[i % 4])
         data.append((f"tenant{i}",) + make_batch(profile, b, g))
-    canon = [canonicalize(obs, backbone.schema, backbone.tokenizer, backbone.device, backbone.dtype)
-             for _, obs, _ in data]
+    canon = [backbone.prepare(obs) for _, obs, _ in data]
     with torch.no_grad():
         features = backbone.forward_group(canon)
     return runner, data, features
@@ -127,7 +126,8 @@ def measure_cell(backbone, n: int, b: int, mode: str, kind: str, repeats: int, m
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="cells 1x1, 8x1, 8x4: under a minute")
-    ap.add_argument("--preset", default="tiny", help="backbone preset the features come from")
+    ap.add_argument("--preset", "--backbone", dest="preset", default="tiny", metavar="PRESET_OR_DIR",
+                    help="the backbone the features come from: a built-in preset or a model directory")
     ap.add_argument("--head", default="gaussian", choices=["gaussian", "bins", "flow", "l1_chunk"])
     ap.add_argument("--grid", default=None, metavar="N:b,...", help="cells to run (default: the full grid)")
     ap.add_argument("--repeats", type=int, default=None)
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     device, dtype = parse_device_arguments(ap, args)
     grid = parse_grid(args.grid) if args.grid else QUICK_GRID if args.quick else FULL_GRID
     repeats = args.repeats or (5 if args.quick else 9)
-    backbone = build_backbone(BackboneSpec(preset=args.preset), device=device, dtype=dtype)
+    backbone = build_backbone(spec_from_arg(args.preset), device=device, dtype=dtype)
     env = environment(backbone.device, backbone.dtype)  # as built, not as asked
     print(f"fused heads: {args.head} heads on {args.preset} features, device={device}, dtype={env['dtype']}, "
           f"threads={env['threads']}, repeats={repeats}", flush=True)

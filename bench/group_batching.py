@@ -8,10 +8,12 @@ times in one run, interleaved:
   train      the same with forward_backward, plus every tenant's optimizer step
   limit      raw backbone on the concatenated batch (one pass, the backbone's own group path)
              vs N raw backbone calls
-and writes bench/results/group_batching.json (a list of cells).
+and writes bench/results/group_batching.json (a list of cells); on a transformers VLM
+(--backbone DIR) group_batching_hf.json, the same cells.
 
     python bench/group_batching.py            # full grid, N, b in {1, 2, 4, 8}
     python bench/group_batching.py --quick    # reduced grid, under a minute
+    python bench/group_batching.py --backbone DIR   # an hf model directory (vlamux backbone init ...)
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, interleaved_medians, parse_grid, print_table, write_json  # noqa: E402
 
-from vlamux.model import (BackboneSpec, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec,
-                          Sample, build_backbone, canonicalize)
+from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone
+from vlamux.model.backbones import spec_from_arg
 from vlamux.model.device import add_device_arguments, parse_device_arguments
 from vlamux.synthetic import TaskProfile, make_batch
 
@@ -70,8 +72,7 @@ def measure_cell(backbone, n: int, b: int, mode: str, repeats: int, min_seconds:
             return results
         return go
 
-    canon = [canonicalize(obs, backbone.schema, backbone.tokenizer, backbone.device, backbone.dtype)
-             for _, obs, _ in data]
+    canon = [backbone.prepare(obs) for _, obs, _ in data]  # each request as the backbone takes it
 
     @torch.no_grad()
     def raw_separate():
@@ -101,7 +102,9 @@ def measure_cell(backbone, n: int, b: int, mode: str, repeats: int, min_seconds:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="reduced grid (includes N=8, b=1), under a minute")
-    ap.add_argument("--preset", default="small")
+    ap.add_argument("--preset", default="small", help="built-in preset (when --backbone is not given)")
+    ap.add_argument("--backbone", default=None, metavar="PRESET_OR_DIR",
+                    help="a built-in preset or a model directory (a transformers VLM; see `vlamux backbone init`)")
     add_device_arguments(ap)
     ap.add_argument("--grid", default=None, metavar="N:b,...", help="cells to run, e.g. 1:1,8:1 (default: the "
                                                                       "full grid, or the quick one)")
@@ -114,9 +117,10 @@ def main(argv=None) -> int:
 
     grid = parse_grid(args.grid) if args.grid else QUICK_GRID if args.quick else FULL_GRID
     repeats = args.repeats or (3 if args.quick else 5)
-    backbone = build_backbone(BackboneSpec(preset=args.preset), device=device, dtype=dtype)
+    backbone = build_backbone(spec_from_arg(args.backbone or args.preset), device=device, dtype=dtype)
     env = environment(backbone.device, backbone.dtype)  # as built, not as asked
-    print(f"group batching: preset={args.preset} ({backbone.num_parameters() / 1e6:.1f}M params), "
+    label = backbone.backbone_id if backbone.kind == "hf" else args.preset
+    print(f"group batching: backbone={label} ({backbone.num_parameters() / 1e6:.1f}M params), "
           f"device={device}, dtype={env['dtype']}, threads={env['threads']}, repeats={repeats}, "
           f"cells={len(grid) * 2}", flush=True)
     cells = []
@@ -124,7 +128,8 @@ def main(argv=None) -> int:
         for n, b in grid:
             min_s = args.min_seconds if args.min_seconds is not None else 0.5 if args.quick else 1.5
             cell = measure_cell(backbone, n, b, mode, repeats, min_s, str(device))
-            cell.update(preset=args.preset, device=str(device), dtype=env["dtype"])
+            cell.update(preset=label, backbone=backbone.describe().get("family", "builtin"), device=str(device),
+                        dtype=env["dtype"])
             cells.append(cell)
             print(f"  {mode:9s} N={n} b={b}: speedup {cell['speedup']:.2f}x, limit {cell['limit_speedup']:.2f}x",
                   flush=True)
@@ -132,7 +137,8 @@ def main(argv=None) -> int:
     print_table(cells, [("mode", "s"), ("n_tenants", "d"), ("local_batch", "d"), ("serial_s", ".3f"),
                         ("grouped_s", ".3f"), ("speedup", ".2f"), ("limit_speedup", ".2f"), ("of_limit", ".2f"),
                         ("head_fraction", ".2f")])
-    path = write_json("group_batching_quick.json" if args.quick else "group_batching.json", cells, args.out)
+    stem = "group_batching_hf" if backbone.kind == "hf" else "group_batching"
+    path = write_json(f"{stem}_quick.json" if args.quick else f"{stem}.json", cells, args.out)
     worst = min(c["of_limit"] for c in cells if c["mode"] == "inference")
     print(f"\nworst inference cell: speedup = {worst:.2f} x limit_speedup (target >= 0.90)")
     for mode in ("inference", "train"):

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, interleaved_medians, print_table, write_json  # noqa: E402
 
 from vlamux.model import BackboneSpec, HeadSpec, Result, Sample, build_backbone  # noqa: E402
+from vlamux.model.backbones import spec_from_arg  # noqa: E402
 from vlamux.model.device import Lane, add_device_arguments, parse_device_arguments  # noqa: E402
 from vlamux.model.slot import Slot  # noqa: E402
 from vlamux.services.inference import InferenceModelService  # noqa: E402
@@ -134,7 +135,8 @@ def scheduler_overhead_us(n: int = 20000, batch_rows: int = 32) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny preset, short runs: under a minute")
-    ap.add_argument("--preset", default=None)
+    ap.add_argument("--preset", "--backbone", dest="preset", default=None, metavar="PRESET_OR_DIR",
+                    help="the backbone: a built-in preset or a model directory (default small; --quick tiny)")
     ap.add_argument("--seconds", type=float, default=None, help="measuring time per (K, mode)")
     ap.add_argument("--max-wait-ms", type=float, default=20.0, help="T of the grouped mode")
     ap.add_argument("--sessions", default="1,8,32", help="K values, comma-separated")
@@ -145,7 +147,7 @@ def main(argv=None) -> int:
     preset = args.preset or ("tiny" if args.quick else "small")
     seconds = args.seconds or (3.0 if args.quick else 12.0)
     T = args.max_wait_ms / 1e3
-    backbone = build_backbone(BackboneSpec(preset=preset), device=device, dtype=dtype)
+    backbone = build_backbone(spec_from_arg(preset), device=device, dtype=dtype)
     env = environment(backbone.device, backbone.dtype)  # as built, not as asked
     print(f"inference serving: preset={preset}, device={device}, dtype={env['dtype']}, threads={env['threads']}, "
           f"{seconds:.0f}s per cell, T={args.max_wait_ms}ms", flush=True)

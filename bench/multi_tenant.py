@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rl-env-steps", type=int, default=None, help="default 8000")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per op, the same in both modes")
     ap.add_argument("--demos", type=int, default=None, help="scripted episodes in the SFT dataset")
+    ap.add_argument("--backbone", default="tiny", metavar="PRESET_OR_DIR", help="a preset or a model directory")
     ap.add_argument("--demo-cameras", choices=("video", "image"), default="video",
                     help="dataset frames as mp4 (needs PyAV) or PNG")
     ap.add_argument("--out", default=None)
@@ -52,7 +53,7 @@ def main(argv=None) -> int:
     budget = dataclasses.replace(budget, demo_cameras=args.demo_cameras,
                                  **{k: v for k, v in given.items() if v is not None})
     dataset = ensure_demos(budget, args.data)
-    specs = [{**s, "eval": None} for s in job_specs(budget, dataset)]
+    specs = [{**s, "eval": None} for s in job_specs(budget, dataset, args.backbone)]
     print(f"multi-tenant workload: {len(specs)} tenants ({', '.join(s['tenant'] for s in specs)}); "
           f"SFT {budget.sft_steps} steps, RL warm start {budget.warm_start_steps} steps + {budget.rl_env_steps} "
           f"env steps each; model services on {device} ({dtype_name(dtype)})", flush=True)
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
         rows = {}
         for mode in ("isolated", "multi"):
             cpu0 = cpu_seconds()
-            r = run(specs, mode, tmp, device=str(device), dtype=dtype_name(dtype))
+            r = run(specs, mode, tmp, backbone=args.backbone, device=str(device), dtype=dtype_name(dtype))
             r["cpu_util"] = (cpu_seconds() - cpu0) / (r["elapsed_s"] * (os.cpu_count() or 1))
             rows[mode] = r
             print(f"  {mode:8s}: wall {r['wall_s']:6.1f}s  training util {r['train_util']:.1%}  "

@@ -1,18 +1,21 @@
 """The GPU check: one command that runs the CUDA-marked tests and the GPU benchmarks, and writes
 each benchmark's JSON plus one summary.json (default: bench/results/gpu/), inside a wall-time budget.
 
-    python scripts/device_check.py [--out-dir DIR] [--budget-s 450] [--only a,b]   # on a GPU machine
+    python scripts/device_check.py [--out-dir DIR] [--budget-s 520] [--only a,b]   # on a GPU machine
     python scripts/device_check.py --dry-run [--out-dir DIR]          # every step on the CPU, tiny
 
 Steps, each a subprocess with its own time limit (a failed or timed-out step is recorded and the
 next one runs; steps are skipped, and say so, once the budget is spent):
   tests               pytest -m cuda: the tests that need a GPU
   group_batching_base bench/group_batching.py, base preset (86M), 1-16 tenants, up to 256 rows
-  group_batching_xl   the same on the xl preset (1.0B, 12x base)
   fused_heads         bench/fused_heads.py: per-tenant vs fused heads, 1-16 tenants x b in {1, 4}
   inference_serving   bench/inference_serving.py: 1-16 concurrent sessions
   async_rl            bench/async_rl.py: synchronous vs four-lane RL, one tenant
   multi_tenant        bench/multi_tenant.py: 3 RL + 1 SFT tenants, isolated vs together
+  group_batching_xl   group batching on the xl preset (1.0B, 12x base)
+  hf_init, group_batching_hf  a random Qwen2.5-VL of the 3B model's shape, and group batching on it
+Out: group_batching.json (the three group-batching runs), fused_heads.json, inference_serving.json,
+async_rl.json, multi_tenant.json, summary.json, device_check.log.
 docs/GPU.md says how to run it on the lent machine (wheels and GL loaders carried with the tree).
 """
 
@@ -22,9 +25,11 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,48 +47,57 @@ class Step:
 
 
 def steps() -> list[Step]:
+    """The steps, in order of what the summary needs most. "{work}": the folder the results are written
+    to before they are merged; "{model}": where the random hf model directory goes."""
     gpu = ["--device", "cuda", "--dtype", "bfloat16"]
     # bf16 on the CPU: not the CPU default, so each result shows the choice reached the model
     cpu = ["--device", "cpu", "--dtype", "bfloat16"]
+    quick = ["--min-seconds", "0.2"]  # a GPU cell is milliseconds: a few repeats beat the noise
+    none = ["--min-seconds", "0"]
     # the files that hold cuda-marked tests (collecting every file would need every test extra there)
     pytest = ["-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "tests/test_cuda.py", "tests/test_device.py"]
-    quick = ["--min-seconds", "0.2"]  # a GPU cell is milliseconds: a few repeats beat the noise
+    gb = "bench/group_batching.py"
     return [
         # the dry run collects the CUDA tests (they import and are selected); they skip without a GPU
         Step("tests", pytest, pytest + ["--collect-only"], 75, result=False),
-        Step("group_batching_base",
-             ["bench/group_batching.py", "--preset", "base", "--grid", "1:1,2:1,4:1,8:1,16:1,8:4,16:16",
-              "--repeats", "5", *quick, *gpu],
-             ["bench/group_batching.py", "--preset", "tiny", "--grid", "1:1,2:1", "--repeats", "1", "--min-seconds",
-              "0", *cpu], 50),
-        Step("group_batching_xl",
-             ["bench/group_batching.py", "--preset", "xl", "--grid", "1:1,8:1,16:4,16:16", "--repeats", "3", *quick,
-              *gpu],
-             ["bench/group_batching.py", "--preset", "tiny", "--grid", "2:1", "--repeats", "1", "--min-seconds", "0",
-              *cpu], 70),
+        Step("group_batching_base", [gb, "--preset", "base", "--grid", "1:1,2:1,4:1,8:1,16:1,8:4,16:16",
+                                     "--repeats", "5", *quick, *gpu],
+             [gb, "--preset", "tiny", "--grid", "1:1,2:1", "--repeats", "1", *none, *cpu], 45),
         Step("fused_heads", ["bench/fused_heads.py", "--preset", "base", "--repeats", "7", "--vmap", *quick, *gpu],
-             ["bench/fused_heads.py", "--preset", "tiny", "--grid", "1:1,2:1", "--repeats", "1", "--min-seconds", "0",
-              "--vmap", *cpu], 40),
+             ["bench/fused_heads.py", "--preset", "tiny", "--grid", "1:1,2:1", "--repeats", "1", *none, "--vmap", *cpu],
+             35),
         Step("inference_serving",
-             ["bench/inference_serving.py", "--preset", "base", "--sessions", "1,8,16", "--seconds", "3", *gpu],
-             ["bench/inference_serving.py", "--preset", "tiny", "--sessions", "1,2", "--seconds", "0.5", *cpu], 50),
+             ["bench/inference_serving.py", "--preset", "base", "--sessions", "1,8,16", "--seconds", "2", *gpu],
+             ["bench/inference_serving.py", "--preset", "tiny", "--sessions", "1,2", "--seconds", "0.5", *cpu], 45),
         Step("async_rl",
-             ["bench/async_rl.py", "--preset", "base", "--env-steps", "3000", "--n-envs", "8", "--image-size", "64",
+             ["bench/async_rl.py", "--preset", "base", "--env-steps", "2400", "--n-envs", "8", "--image-size", "64",
               "--threads", "4", *gpu],
              ["bench/async_rl.py", "--preset", "tiny", "--env-steps", "32", "--n-envs", "2", "--sub-batches", "1",
-              "--image-size", "32", *cpu], 70),
+              "--image-size", "32", *cpu], 60),
         Step("multi_tenant",
-             ["bench/multi_tenant.py", "--sft-steps", "200", "--warm-start-steps", "40", "--rl-env-steps", "1500",
-              "--demos", "30", "--demo-cameras", "image", "--threads", "4", *gpu],
+             ["bench/multi_tenant.py", "--sft-steps", "150", "--warm-start-steps", "30", "--rl-env-steps", "1200",
+              "--demos", "20", "--demo-cameras", "image", "--threads", "4", *gpu],
              ["bench/multi_tenant.py", "--quick", "--sft-steps", "4", "--warm-start-steps", "2", "--rl-env-steps",
-              "32", "--demos", "2", "--demo-cameras", "image", *cpu], 95),
+              "32", "--demos", "2", "--demo-cameras", "image", *cpu], 80),
+        Step("group_batching_xl", [gb, "--preset", "xl", "--grid", "1:1,8:1,16:4,16:16", "--repeats", "3", *quick, *gpu],
+             [gb, "--preset", "tiny", "--grid", "2:1", "--repeats", "1", *none, *cpu], 60),
+        # a Qwen2.5-VL of the 3B model's shape, random weights, made on the GPU in bf16 (7 GB on disk)
+        Step("hf_init", ["-m", "vlamux.cli", "backbone", "init", "--family", "qwen2_5_vl", "--size", "3b", "--out",
+                         "{model}", "--overwrite", "--dtype", "bfloat16", "--device", "cuda"],
+             ["-m", "vlamux.cli", "backbone", "init", "--family", "qwen2_5_vl", "--size", "tiny", "--out", "{model}",
+              "--overwrite"], 60, result=False),
+        Step("group_batching_hf", [gb, "--backbone", "{model}", "--grid", "1:1,8:1,16:4", "--repeats", "3", *quick, *gpu],
+             [gb, "--backbone", "{model}", "--grid", "2:1", "--repeats", "1", *none, *cpu], 60),
     ]
 
 
-def run_step(step: Step, dry: bool, out_dir: Path, timeout_s: float, log) -> dict:
-    argv = [sys.executable, *(step.dry if dry else step.gpu)]
+MERGED = ("group_batching_base", "group_batching_xl", "group_batching_hf")  # into group_batching.json
+
+
+def run_step(step: Step, dry: bool, work: Path, model: Path, timeout_s: float, log) -> dict:
+    argv = [sys.executable, *(a.format(work=work, model=model) for a in (step.dry if dry else step.gpu))]
     if step.result:
-        argv += ["--out", str(out_dir / f"{step.name}.json")]
+        argv += ["--out", str(work / f"{step.name}.json")]
     log.write(f"\n===== {step.name}: {' '.join(argv[1:])} (limit {timeout_s:.0f}s)\n")
     log.flush()
     t0 = time.monotonic()
@@ -129,7 +143,7 @@ def summarize(out_dir: Path, runs: dict, dry: bool, wall_s: float) -> dict:
                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() and not dry else None,
                "steps": runs}
     n, b = (2, 1) if dry else (8, 1)  # the dry run's grid stops at 2 tenants
-    for name in ("group_batching_base", "group_batching_xl"):
+    for name in MERGED:
         cells = _load(out_dir, name)
         grouped = {}
         for mode in ("inference", "train"):
@@ -159,11 +173,22 @@ def summarize(out_dir: Path, runs: dict, dry: bool, wall_s: float) -> dict:
     return s
 
 
+def _collect(work: Path, out_dir: Path) -> None:
+    """The results into `out_dir`: the group-batching runs merged into one file (a device call brings
+    back eight files at most), the others as they are."""
+    merged = {name.removeprefix("group_batching_"): _load(work, name) for name in MERGED}
+    if any(v is not None for v in merged.values()):
+        (out_dir / "group_batching.json").write_text(json.dumps(merged, indent=1) + "\n")
+    for f in work.glob("*.json"):
+        if f.stem not in MERGED:
+            shutil.copy(f, out_dir / f.name)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="every step on the CPU at a tiny size")
     ap.add_argument("--out-dir", default=None, help="default bench/results/gpu (dry run: bench/results/gpu_dry)")
-    ap.add_argument("--budget-s", type=float, default=450.0,
+    ap.add_argument("--budget-s", type=float, default=520.0,
                     help="wall-time budget for all steps (the lease leaves room for a rerun of a failed step)")
     ap.add_argument("--only", default=None, help="comma-separated step names to run (default: all)")
     args = ap.parse_args(argv)
@@ -185,6 +210,8 @@ def main(argv=None) -> int:
     t0, runs = time.monotonic(), {}
     print(f"device check{' (dry run)' if args.dry_run else ''}: {len(chosen)} steps, budget {args.budget_s:.0f}s, "
           f"results in {out_dir}", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="vlamux-device-check-"))
+    model = work / "hf-model"
     with open(out_dir / "device_check.log", "w") as log:
         for step in chosen:
             left = args.budget_s - (time.monotonic() - t0)
@@ -192,9 +219,11 @@ def main(argv=None) -> int:
                 runs[step.name] = {"status": "skipped: budget spent"}
                 print(f"  {step.name:20s} skipped: budget spent", flush=True)
                 continue
-            runs[step.name] = run_step(step, args.dry_run, out_dir, min(step.timeout_s, left), log)
-    summary = summarize(out_dir, runs, args.dry_run, time.monotonic() - t0)
+            runs[step.name] = run_step(step, args.dry_run, work, model, min(step.timeout_s, left), log)
+    summary = summarize(work, runs, args.dry_run, time.monotonic() - t0)
+    _collect(work, out_dir)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
     failed = [n for n, r in runs.items() if r["status"] != "ok"]
     print(f"summary: {out_dir / 'summary.json'} ({time.monotonic() - t0:.0f}s)"
           + (f"; not ok: {', '.join(failed)}" if failed else ""))

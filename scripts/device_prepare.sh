@@ -15,7 +15,7 @@ grep -qx '/.gl/' .git/info/exclude 2>/dev/null || echo '/.gl/' >> .git/info/excl
 # store frames as PNG, so it is not needed there).
 WHEELS=(mujoco==3.3.0 glfw==2.11.0 pyopengl==3.1.10 gymnasium==1.4.0 farama-notifications==0.0.6
         fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
-        typing-inspection==0.4.5 uvicorn==0.54.0 sqlalchemy==2.1.9 greenlet==3.5.6)
+        typing-inspection==0.4.5 uvicorn==0.54.0 sqlalchemy==2.1.9 greenlet==3.5.6 num2words==0.5.14)
 mkdir -p .whl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
@@ -28,7 +28,7 @@ apt-get $o update -qq
 (cd .gl && apt-get $o download libvulkan1 libegl1 libglvnd0 libopengl0 libgl1 libglx0 libgles2 >/dev/null)
 du -sh .whl .gl
 cat <<'MSG'
-ready. The device call (one command; carry .whl and .gl; timeout_s 540 covers the check's 450 s budget
+ready. The device call (one command; carry .whl and .gl; timeout_s 600 covers the check's 520 s budget
 and the installs, and leaves the lease room for a rerun of one step with --only):
   for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig; v=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json; [ -f $v ] && export __EGL_VENDOR_LIBRARY_FILENAMES=$v; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && PYTHONUNBUFFERED=1 python3 scripts/device_check.py --out-dir $OUT
 MSG

@@ -143,7 +143,7 @@ def test_frozen_and_layers(backbone):
 
 
 def test_unavailable_and_unknown_backbones():
-    with pytest.raises(NotImplementedError, match="hf"):
+    with pytest.raises(ValueError, match="hf.*path"):  # an hf backbone is a directory (tests/test_hf_backbone.py)
         build_backbone(BackboneSpec(kind="hf"))
     with pytest.raises(ValueError, match="'huge'"):
         build_backbone(BackboneSpec(preset="huge"))

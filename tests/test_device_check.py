@@ -19,21 +19,27 @@ def test_device_check_dry_run(tmp_path):
     assert summary["dry_run"] is True
     assert all(r["status"] == "ok" for r in summary["steps"].values()), summary["steps"]
     assert summary["steps"]["tests"]["tail"][-1].split("/")[0].isdigit()  # the CUDA tests were collected
-    for name in ("group_batching_base", "group_batching_xl", "fused_heads", "inference_serving", "async_rl",
-                 "multi_tenant"):
-        result = json.loads((out / f"{name}.json").read_text())
+    merged = json.loads((out / "group_batching.json").read_text())
+    assert set(merged) == {"base", "xl", "hf"} and all(merged.values())
+    assert {c["backbone"] for c in merged["hf"]} == {"qwen2_5_vl"}  # the random hf directory the check made
+    results = {f"group_batching_{k}": v for k, v in merged.items()}
+    for name in ("fused_heads", "inference_serving", "async_rl", "multi_tenant"):
+        results[name] = json.loads((out / f"{name}.json").read_text())
+    for name, result in results.items():
         if isinstance(result, list):  # group_batching: its cells
             placed = {c["dtype"] for c in result}.pop()
         else:
             placed = (result.get("placement") or result.get("config"))["dtype"]
         assert placed == "bfloat16", name
-    gb = summary["group_batching_base"]["inference"]
-    assert gb["grouped_vs_serial"] > 0 and gb["limit"] > 0
+    for name in ("group_batching_base", "group_batching_xl", "group_batching_hf"):
+        gb = summary[name]["inference"]
+        assert gb["grouped_vs_serial"] > 0 and gb["limit"] > 0
     assert summary["fused_heads"]["inference"]["speedup"] > 0
     assert summary["async_rl"]["speedup"] > 0 and "reduction" in summary["multi_tenant"]
     assert set(summary["memory_peaks_bytes"]["multi_tenant"]) >= {"model", "rollout"}
     assert (out / "device_check.log").stat().st_size > 0
     assert len(list(out.iterdir())) <= 8  # what the device tool brings back from one call
+    assert not any(p.is_dir() for p in out.iterdir())  # the random model went to a temporary folder
 
 
 def test_device_check_refuses_to_run_for_real_without_a_gpu(tmp_path):

@@ -24,14 +24,20 @@ def backbone() -> None:
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace a directory that is not empty.")
-def init(family: str, size: str, out: Path, seed: int, overwrite: bool) -> None:
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="How the weights are stored.")
+@click.option("--device", default="cpu", show_default=True, help="Where they are made (cuda: quicker for 2-3B).")
+def init(family: str, size: str, out: Path, seed: int, overwrite: bool, dtype: str, device: str) -> None:
     """Write a randomly initialised model directory of FAMILY (marked as random weights in its
     config): for tests, demos and benchmarks where no real weights are at hand."""
     from vlamux.model.backbones.hf.directory import ModelDirError
     from vlamux.model.backbones.hf.random_init import write_random_model
 
     try:
-        path = write_random_model(family, size, out, seed=seed, overwrite=overwrite)
+        import torch
+
+        path = write_random_model(family, size, out, seed=seed, overwrite=overwrite,
+                                  dtype=getattr(torch, dtype), device=device)
     except ModelDirError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"wrote {path}: {family} ({size}), random weights")

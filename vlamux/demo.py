@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone
+from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone
+from vlamux.model.backbones import spec_from_arg
 from vlamux.model.device import add_device_arguments, dtype_name, parse_device_arguments
 from vlamux.synthetic import TaskProfile, make_batch
 
@@ -55,14 +56,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=16, help="rows per tenant per step")
-    ap.add_argument("--preset", default="tiny", help="built-in backbone preset: tiny, small, base")
+    ap.add_argument("--preset", default="tiny", help="built-in backbone preset: tiny, small, base, xl")
+    ap.add_argument("--backbone", default=None, metavar="PRESET_OR_DIR",
+                    help="the shared backbone: a preset, or a model directory (a transformers VLM); "
+                         "default: --preset")
     ap.add_argument("--timing-steps", type=int, default=6)
     add_device_arguments(ap)
     args = ap.parse_args(argv)
     device, dtype = parse_device_arguments(ap, args)
     torch.manual_seed(0)
 
-    backbone = build_backbone(BackboneSpec(preset=args.preset), device=device, dtype=dtype)
+    try:
+        spec = spec_from_arg(args.backbone or args.preset)
+    except ValueError as e:
+        ap.error(str(e))
+    backbone = build_backbone(spec, device=device, dtype=dtype)
     runner = ModelRunner(backbone)
     for i, (name, (spec, _)) in enumerate(TENANTS.items()):
         runner.create_slot(name, spec, OptimizerSpec(lr=1e-3 if spec.kind != "flow" else 5e-4), seed=i)

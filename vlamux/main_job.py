@@ -8,6 +8,7 @@ forwards), then — unless --no-isolated — one after another, each with the se
 the run ends with the time multi-tenancy saved.
 
     python -m vlamux.main_job [--quick] [--no-isolated] [--workdir runs/main] [--device auto] [--dtype auto]
+                              [--backbone tiny | DIR]
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from vlamux.experiments.multi_tenant import Budget, ensure_demos, job_specs, run
+from vlamux.model.backbones import spec_from_arg
 from vlamux.model.device import add_device_arguments, dtype_name, parse_device_arguments
 
 
@@ -64,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="runs/main")
     ap.add_argument("--data", default="data/demos")
     ap.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
+    ap.add_argument("--backbone", default="tiny", metavar="PRESET_OR_DIR",
+                    help="the shared backbone: a built-in preset, or a model directory (a transformers VLM)")
     add_device_arguments(ap)
     args = ap.parse_args(argv)
     device, dtype = parse_device_arguments(ap, args)
@@ -74,15 +78,19 @@ def main(argv=None) -> int:
 
     print(f"demonstrations: {budget.demos} scripted episodes of the built-in suite ...", flush=True)
     dataset = ensure_demos(budget, args.data)
-    specs = job_specs(budget, dataset)
-    print(f"\n{len(specs)} tenants on one shared frozen backbone (tiny preset, {device}, {dtype_name(dtype)}), "
+    try:
+        spec_from_arg(args.backbone)
+    except ValueError as e:
+        ap.error(str(e))
+    specs = job_specs(budget, dataset, args.backbone)
+    print(f"\n{len(specs)} tenants on one shared frozen backbone ({args.backbone}, {device}, {dtype_name(dtype)}), "
           f"embedded runtime:")
     for s in specs:
         what = "SFT" if s["kind"] == "sft" else f"SFT warm start, then RL ({s['rl'].get('algorithm', 'ppo')})"
         print(f"  {s['tenant']:14s} head {s['head']['kind']:9s} {what}")
 
     print("\n== multi-tenant: all jobs at once ==", flush=True)
-    place = {"device": str(device), "dtype": dtype_name(dtype)}
+    place = {"device": str(device), "dtype": dtype_name(dtype), "backbone": args.backbone}
     multi = run(specs, "multi", workdir, on_tick=_ticker(args.progress_every), **place)
     isolated = None
     if not args.no_isolated:

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 from vlamux.jobs.master import MasterService
-from vlamux.model import BackboneSpec
+from vlamux.model.backbones import spec_from_arg
 from vlamux.services.queues import InferenceQueueConfig
-from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
+from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig, backbone_name
 
 TASK = "goal/touch-red-cube"
 CAMERAS = {"observation.images.agentview": "agentview", "observation.images.wrist": "wrist"}
@@ -48,6 +48,7 @@ def env_spec(b: Budget) -> dict:
 
 
 def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[dict]:
+    """`backbone`: a preset or a model directory (`run` is given the same)."""
     """Four tenants, four heads: flow (SFT only), gaussian PPO, bins PPO, gaussian GRPO. The settings
     are the ones measured to work on this suite (docs/RESULTS.md): cosine-scheduled SFT with warm-up,
     then RL at lr 3e-5 with two passes over each segment (PPO fits its critic first)."""
@@ -62,7 +63,7 @@ def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[di
     grpo_steps = -(-b.max_steps // b.n_action_steps)  # an episode's vectorised steps
 
     def job(name, kind, head_kind, **extra):
-        return {"name": name, "tenant": name, "kind": kind, "backbone": backbone,
+        return {"name": name, "tenant": name, "kind": kind, "backbone": backbone_name(spec_from_arg(backbone)),
                 "head": {**head, "kind": head_kind}, "optimizer": {"lr": 1e-3}, "eval": ev,
                 "checkpoint_every": 200, **extra}
 
@@ -108,7 +109,7 @@ def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny
 
 
 def _runtime(backbone: str, device: str = "auto", dtype: str = "auto") -> EmbeddedRuntime:
-    return EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset=backbone), device=device, dtype=dtype,
+    return EmbeddedRuntime(RuntimeConfig(backbone=spec_from_arg(backbone), device=device, dtype=dtype,
                                          inference_queue=InferenceQueueConfig(batch_rows=32, max_wait_s=0.005),
                                          max_staleness=16)).start()
 
