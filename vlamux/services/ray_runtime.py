@@ -303,7 +303,11 @@ class RayRuntime:
 
         def alive() -> bool:
             try:
-                info = self._ping(handle_of(), self.config.ping_timeout_s)
+                handle = handle_of()
+            except KeyError:  # removed while this check was under way: nothing to watch any more
+                return True
+            try:
+                info = self._ping(handle, self.config.ping_timeout_s)
             except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
                 # slow, or being restarted by Ray: not dead. Its heartbeat goes stale, and only once it
                 # is older than hung_after_s is the role declared hung; a Ray restart shows as a new
