@@ -184,6 +184,14 @@ def check_head(head, where: str = "head") -> None:
                     raise invalid(f, f"must be an integer in [{lo}, 4096], got {v!r}")
             elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > 1e6:
                 raise invalid(f, f"must be a finite number, got {v!r}")
+    if head.get("adapter") is not None:
+        from vlamux.errors import InvalidInputError
+        from vlamux.model.adapters import LoRASpec
+
+        try:
+            LoRASpec.from_dict(head["adapter"], where=f"{where}.adapter")
+        except InvalidInputError as e:  # its message starts with the field it names
+            raise invalid(str(e).split(":", 1)[0], str(e).split(":", 1)[1].strip()) from None
 
 
 def head_error(e: ValueError, where: str = "head") -> ApiError | None:

@@ -14,6 +14,7 @@ tenant's gradients are applied or dropped.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vlamux.errors import InvalidInputError, UnknownTenantError
+from vlamux.model import adapters
 from vlamux.model.backbones import Backbone
 from vlamux.model.batch import CanonicalBatch
 from vlamux.model.device import Lane
@@ -78,6 +80,8 @@ class ModelRunner:
         self.lane = Lane(backbones[0].device, backbones[0].dtype)
         self.pools = MemoryPools(backbones[0].device)  # this runner's (its service's) rollout pool
         self.fused = FusedHeads() if fuse_heads else None
+        # adapter tenants' training calls: how many, and the activations their backward kept
+        self.adapter_stats = {"groups": 0, "last_activation_bytes": 0, "peak_activation_bytes": 0}
 
     @property
     def fuse_heads(self) -> bool:
@@ -87,15 +91,24 @@ class ModelRunner:
     def create_slot(self, tenant: str, head_spec: HeadSpec, optim: OptimizerSpec | None = None, seed: int = 0,
                     backbone_id: str | None = None) -> Slot:
         backbone = self._backbone(backbone_id or self.default_backbone)
-        return self.add_slot(Slot(tenant, head_spec, backbone.meta, optim, seed, backbone.device))
+        return self.add_slot(Slot(tenant, head_spec, backbone.meta, optim, seed, backbone.device,
+                                  **self.adapter_targets(backbone.backbone_id)))
+
+    def adapter_targets(self, backbone_id: str) -> dict:
+        """What a slot with an adapter needs to know of its backbone (Slot's keyword arguments)."""
+        backbone = self._backbone(backbone_id)
+        return {"adaptable": backbone.adaptable(), "lora_default": backbone.LORA_DEFAULT}
 
     def add_slot(self, slot: Slot) -> Slot:
         if slot.tenant in self.slots:
             raise ValueError(f"tenant {slot.tenant!r} already has a slot")
-        depth = self._backbone(slot.backbone_id).meta.n_layers
+        backbone = self._backbone(slot.backbone_id)
+        depth = backbone.meta.n_layers
         if slot.head_spec.feature_layers > depth:
             raise ValueError(f"head spec: feature_layers={slot.head_spec.feature_layers} but backbone "
                              f"{slot.backbone_id!r} has {depth} layers")
+        if slot.adapter is not None:
+            adapters.install(backbone)  # the hooks that apply each tenant's delta to its own rows
         self.slots[slot.tenant] = slot
         return slot
 
@@ -113,7 +126,8 @@ class ModelRunner:
         with self.lane.active():
             if slot is None:
                 backbone = self._backbone(snap.backbone_id)
-                slot = Slot(snap.tenant, snap.head_spec, backbone.meta, device=backbone.device)
+                slot = Slot(snap.tenant, snap.head_spec, backbone.meta, device=backbone.device,
+                            **self.adapter_targets(snap.backbone_id))
                 with self.lane.importing(snap.done):
                     slot.apply_policy(snap)
                 return self.add_slot(slot)
@@ -207,19 +221,38 @@ class ModelRunner:
 
     def _run_group(self, group: list[int], requests: list[Request], batches: dict[int, _Ingested],
                    results: list[Result], rnd: _Round, fuse: bool) -> None:
+        """One backbone call for the group's requests; those that train an adapter run apart, with
+        gradients, so that nobody else's rows keep activations for a backward (their own call is the
+        no-grad one, unchanged by adapter tenants beside them)."""
+        training = [i for i in group if isinstance(requests[i], ForwardBackward)
+                    and self.slots[requests[i].tenant].adapter is not None]
+        plain = [i for i in group if i not in training]
+        for sub, grad in ((plain, False), (training, True)):
+            if sub:
+                self._run_call(sub, requests, batches, results, rnd, fuse, grad)
+
+    def _run_call(self, group: list[int], requests: list[Request], batches: dict[int, _Ingested],
+                  results: list[Result], rnd: _Round, fuse: bool, grad: bool) -> None:
         slots = [self.slots[requests[i].tenant] for i in group]
         backbone = self.backbones[slots[0].backbone_id]
         n_layers = max(s.head_spec.feature_layers for s in slots)
         start = self.lane.mark()
         try:
-            with torch.no_grad():
-                features = backbone.forward_group([batches[i].batch for i in group], n_layers=n_layers)
+            mine = [batches[i].batch for i in group]
+            segments = list(zip(backbone.segments(mine), [s.adapter for s in slots])) \
+                if any(s.adapter is not None for s in slots) else []
+            with adapters.active(segments), torch.set_grad_enabled(grad), self._saved_bytes(grad) as kept:
+                features = backbone.forward_group(mine, n_layers=n_layers)
+            if grad:
+                self.adapter_stats["groups"] += 1
+                self.adapter_stats["last_activation_bytes"] = kept[0]
+                self.adapter_stats["peak_activation_bytes"] = max(self.adapter_stats["peak_activation_bytes"], kept[0])
         except Exception as e:  # noqa: BLE001
             if len(group) > 1:
                 # Find the request that broke the group; the others must still succeed.
                 log.warning("group of %d requests failed in the backbone (%s); retrying one by one", len(group), e)
                 for i in group:
-                    self._run_group([i], requests, batches, results, rnd, fuse)
+                    self._run_call([i], requests, batches, results, rnd, fuse, grad)
                 return
             results[group[0]].error = e
             return
@@ -227,7 +260,70 @@ class ModelRunner:
         for i in group:
             results[i].group_size = len(group)
         mine = {i: f.select(slice(None), None, s.head_spec.feature_layers) for i, s, f in zip(group, slots, features)}
-        self._heads(group, requests, {i: batches[i].rows for i in group}, mine, rnd, fuse)
+        if grad:
+            with self.lane.autocast():
+                self._joint(group, requests, {i: batches[i].rows for i in group}, mine, rnd)
+        else:
+            self._heads(group, requests, {i: batches[i].rows for i in group}, mine, rnd, fuse)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _saved_bytes(counting: bool):
+        """Counts the bytes autograd keeps for the backward of what runs inside (a one-item list)."""
+        kept = [0]
+        if not counting:
+            yield kept
+            return
+        seen: set = set()
+
+        def pack(t):
+            key = (t.untyped_storage().data_ptr(), t.device)
+            if key not in seen:  # views of one storage are kept once
+                seen.add(key)
+                kept[0] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield kept
+
+    def _joint(self, group: list[int], requests: list[Request], rows: dict[int, RowInputs],
+               features: dict[int, VLAFeature], rnd: _Round) -> None:
+        """Adapter tenants' forward_backwards: every loss first, then one backward through the heads and
+        the shared backbone call to every head and adapter (each tenant's rows are its own in every
+        layer, so each gradient is its own tenant's, and one NaN stays in its tenant)."""
+        start = self.lane.mark()
+        works, losses = [], []
+        for i in group:
+            req, slot = requests[i], self.slots[requests[i].tenant]
+            try:
+                x = slot.fb_inputs(features[i], rows[i])
+                rng = slot.generator.get_state()
+                noise = slot.draw("loss", x.feature.batch_size) if x.loss is None else {}
+                loss, metrics, extra = slot.objective(x, slot.head_forward(x, noise))
+            except Exception as e:  # noqa: BLE001 - that tenant's failure only
+                rnd.works.append(_Work(i, slot, error=e, span=(start, start, 0.0)))
+                continue
+            works.append((_Work(i, slot), loss, metrics, extra, rng))
+            losses.append(loss)
+        if not works:
+            return
+        params = [p for w, *_ in works for p in w.slot.params]
+        try:
+            grads = torch.autograd.grad(torch.stack(losses).sum(), params, allow_unused=True)
+        except Exception as e:  # noqa: BLE001
+            for w, *_rest, rng in works:
+                w.slot.generator.set_state(rng)
+                w.error = e
+                rnd.works.append(w)
+            return
+        end, at = self.lane.mark(), 0
+        total = sum(features[w.index].batch_size for w, *_ in works)
+        for w, loss, metrics, extra, rng in works:
+            n = len(w.slot.params)
+            w.pending = Slot.pending(loss, metrics, extra, list(grads[at:at + n]), rng)
+            at += n
+            w.span = (start, end, features[w.index].batch_size / total)  # the shared backward, by rows
+            rnd.works.append(w)
 
     def _heads(self, group: list[int], requests: list[Request], rows: dict[int, RowInputs],
                features: dict[int, VLAFeature], rnd: _Round, fuse: bool) -> None:

@@ -19,6 +19,7 @@ from safetensors.torch import load_file, safe_open
 from torch import Tensor
 
 from vlamux.errors import IncompatibleError, InvalidInputError, NonFiniteError
+from vlamux.model.adapters import LoRAAdapter, select_targets
 from vlamux.model.batch import check_float_tensor
 from vlamux.model.device import copy_into, to_cpu, to_device
 from vlamux.model.feature import FeatureMeta, VLAFeature
@@ -122,7 +123,10 @@ class FBInputs:
 
 class Slot:
     def __init__(self, tenant: str, head_spec: HeadSpec, feature_meta: FeatureMeta,
-                 optim: OptimizerSpec | None = None, seed: int = 0, device: str | torch.device = "cpu"):
+                 optim: OptimizerSpec | None = None, seed: int = 0, device: str | torch.device = "cpu",
+                 adaptable: dict | None = None, lora_default: tuple[str, ...] = ()):
+        """adaptable / lora_default: the backbone's Linears an adapter may change and its default
+        targets (`Backbone.adaptable`, `LORA_DEFAULT`), for a head spec that carries an adapter."""
         if not tenant or not isinstance(tenant, str):
             raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
         self.tenant = tenant
@@ -133,8 +137,17 @@ class Slot:
         self.device = torch.device(device)
         with seeded(seed):
             self.head: ActionHead = build_head(head_spec, feature_meta.hidden_dim).to(self.device)
+        self.adapter: LoRAAdapter | None = None
+        if head_spec.adapter is not None:
+            if not adaptable:
+                raise InvalidInputError(f"head.adapter: backbone {self.backbone_id!r} has no Linear an adapter may "
+                                        f"change")
+            targets = select_targets(adaptable, head_spec.lora, lora_default)
+            with seeded(seed + 7919):
+                self.adapter = LoRAAdapter(head_spec.lora, targets).to(self.device)
         o = self.optim_spec
-        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+        # one optimizer over the tenant's whole module: head, then adapter
+        self.optimizer = torch.optim.AdamW(self._module_params(), lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay)
         # A CPU generator on every device: draws are made on the host and copied over (they are a few
         # numbers per action chunk), so a tenant's random stream is the same on a CPU and a GPU and
@@ -148,13 +161,23 @@ class Slot:
         self.version = 0
         self.accumulated = 0  # forward_backward calls since the last optimizer step
 
+    def _module_params(self) -> list[Tensor]:
+        return [*self.head.parameters(), *(self.adapter.parameters() if self.adapter is not None else ())]
+
     @property
     def params(self) -> list[Tensor]:
-        """The trainable parameters, in the order gradients are handed over (loads copy into them in
-        place, so the list is built once)."""
+        """The trainable parameters (head, then adapter), in the order gradients are handed over (loads
+        copy into them in place, so the list is built once)."""
         if getattr(self, "_params", None) is None:
-            self._params = [p for p in self.head.parameters() if p.requires_grad]
+            self._params = [p for p in self._module_params() if p.requires_grad]
         return self._params
+
+    def _module_state(self) -> dict[str, Tensor]:
+        """The tenant's module's tensors by key: "head.*", and "adapter.*" where there is one."""
+        out = {f"head.{k}": v for k, v in self.head.state_dict().items()}
+        if self.adapter is not None:
+            out.update({f"adapter.{k}": v for k, v in self.adapter.state_dict().items()})
+        return out
 
     # ---- statistics -------------------------------------------------------------------------
     def set_stats(self, action: NormStats | None = None, state: NormStats | None = None) -> None:
@@ -297,7 +320,7 @@ class Slot:
         (on the device: reading it is the caller's wait)."""
         if self.accumulated == 0:
             raise InvalidInputError(f"optim_step: tenant {self.tenant!r} has no gradients since its last step")
-        params = [p for p in self.head.parameters() if p.grad is not None]
+        params = [p for p in self.params if p.grad is not None]
         clip = self.optim_spec.grad_clip
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else float("inf"))
         self.optimizer.step()
@@ -330,8 +353,8 @@ class Slot:
 
     # ---- control plane: policy snapshots ----------------------------------------------------
     def policy_tensors(self) -> dict[str, Tensor]:
-        """The serving part of this slot (head weights and statistics), as the slot holds them."""
-        tensors = {f"head.{k}": v for k, v in self.head.state_dict().items()}
+        """The serving part of this slot (head and adapter weights, statistics), as the slot holds them."""
+        tensors = dict(self._module_state())
         for name, stats in self.stats.items():
             tensors.update({f"stats.{name}.{f}": getattr(stats, f) for f in ("mean", "std", "min", "max")})
         return tensors
@@ -349,27 +372,68 @@ class Slot:
         if snap.tenant != self.tenant or snap.head_spec != self.head_spec or snap.backbone_id != self.backbone_id:
             raise IncompatibleError(f"policy snapshot of tenant {snap.tenant!r} ({snap.head_spec.kind}) does not fit "
                                     f"the slot of tenant {self.tenant!r} ({self.head_spec.kind})")
-        head = {k[5:]: v for k, v in snap.tensors.items() if k.startswith("head.")}
-        own = self.head.state_dict()
-        if head.keys() != own.keys() or any(head[k].shape != own[k].shape for k in own):
-            raise IncompatibleError(f"policy snapshot of tenant {snap.tenant!r}: head tensors do not match")
+        own = self._module_state()
+        given = {k: v for k, v in snap.tensors.items() if k.startswith(("head.", "adapter."))}
+        if given.keys() != own.keys() or any(given[k].shape != own[k].shape for k in own):
+            raise IncompatibleError(f"policy snapshot of tenant {snap.tenant!r}: head or adapter tensors do not match")
         with torch.no_grad():
             for k, dst in own.items():
-                copy_into(dst, head[k])
+                copy_into(dst, given[k])
         self.stats = {k: NormStats.placed(snap.tensors, f"stats.{k}", m, self.device)
                       for k, m in snap.stats_modes.items()}
         self.version = snap.version
 
     @classmethod
-    def from_policy(cls, snap: PolicySnapshot, feature_meta: FeatureMeta, device="cpu") -> Slot:
-        slot = cls(snap.tenant, snap.head_spec, feature_meta, device=device)
+    def from_policy(cls, snap: PolicySnapshot, feature_meta: FeatureMeta, device="cpu", **backbone) -> Slot:
+        slot = cls(snap.tenant, snap.head_spec, feature_meta, device=device, **backbone)
         slot.apply_policy(snap)
         return slot
+
+    def memory_bytes(self) -> dict[str, int]:
+        """What this tenant costs in memory: its head, its adapter, its optimizer state."""
+        def size(ts):
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        optim = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, Tensor)]
+        return {"head": size(self.head.parameters()),
+                "adapter": size(self.adapter.parameters()) if self.adapter is not None else 0,
+                "optimizer": size(optim)}
+
+    # ---- adapters in PEFT's layout ---------------------------------------------------------------------
+    def export_adapter(self, out: str | Path, base_model: str | None = None) -> Path:
+        """This tenant's adapter as a PEFT directory (`peft.PeftModel.from_pretrained(base, out)` on the
+        same base model reproduces its features)."""
+        from vlamux.model.adapters import export_peft
+
+        if self.adapter is None:
+            raise InvalidInputError(f"export_adapter: tenant {self.tenant!r}'s head has no adapter")
+        export_peft(self.adapter, out, base_model)
+        return Path(out)
+
+    def import_adapter(self, path: str | Path) -> None:
+        """Start from a PEFT LoRA directory's weights: its rank, alpha and adapted Linears must be this
+        slot's (make the slot's spec from it: `adapter_spec_of`). The version moves on by one."""
+        from vlamux.model.adapters import read_peft
+
+        if self.adapter is None:
+            raise InvalidInputError(f"import_adapter: tenant {self.tenant!r}'s head has no adapter")
+        spec, tensors = read_peft(path)
+        mine = self.adapter.spec
+        if (spec.rank, spec.alpha) != (mine.rank, mine.alpha):
+            raise IncompatibleError(f"{path}: rank {spec.rank}, alpha {spec.alpha}; the slot's adapter has rank "
+                                    f"{mine.rank}, alpha {mine.alpha}")
+        theirs = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors if ".lora_" in k}
+        extra = sorted(theirs - set(self.adapter.targets))
+        if extra:
+            raise IncompatibleError(f"{path}: adapts Linears the slot's adapter does not: {extra[:4]}"
+                                    f"{' ...' if len(extra) > 4 else ''}")
+        self.adapter.load_peft_state_dict(tensors)
+        self.version += 1
 
     # ---- persistence --------------------------------------------------------------------------
     def state_tensors(self) -> tuple[dict[str, Tensor], dict[str, str]]:
         """Everything of this tenant, as safetensors tensors + metadata."""
-        tensors = {f"head.{k}": v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}
+        tensors = {k: v.detach().cpu().contiguous() for k, v in self._module_state().items()}
         opt = self.optimizer.state_dict()
         for idx, st in opt["state"].items():
             for k, v in st.items():
@@ -407,10 +471,10 @@ class Slot:
         if meta["backbone_id"] != self.backbone_id:
             raise IncompatibleError(f"{path}: trained on backbone {meta['backbone_id']!r}, slot uses "
                                     f"{self.backbone_id!r}")
-        head = {k[5:]: v for k, v in tensors.items() if k.startswith("head.")}
-        expected = self.head.state_dict()
-        if head.keys() != expected.keys() or any(head[k].shape != expected[k].shape for k in head):
-            raise IncompatibleError(f"{path}: head tensors do not match the slot's head")
+        module = {k: v for k, v in tensors.items() if k.startswith(("head.", "adapter."))}
+        expected = self._module_state()
+        if module.keys() != expected.keys() or any(module[k].shape != expected[k].shape for k in module):
+            raise IncompatibleError(f"{path}: head or adapter tensors do not match the slot's")
         live, live_meta = self.state_tensors()
         backup = ({k: v.clone() for k, v in live.items()}, live_meta)  # on CPU .cpu() aliases the parameters
         try:
@@ -427,6 +491,8 @@ class Slot:
 
     def _restore(self, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
         self.head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
+        if self.adapter is not None:
+            self.adapter.load_state_dict({k[8:]: v for k, v in tensors.items() if k.startswith("adapter.")})
         state: dict[int, dict] = {}
         for k, v in tensors.items():
             if k.startswith("optim."):
@@ -442,11 +508,11 @@ class Slot:
         self.accumulated = 0
 
     @classmethod
-    def from_file(cls, path: str | Path, feature_meta: FeatureMeta, device="cpu") -> Slot:
+    def from_file(cls, path: str | Path, feature_meta: FeatureMeta, device="cpu", **backbone) -> Slot:
         _, meta = read_slot_file(path)
         opt = json.loads(meta["optim_spec"])
         slot = cls(meta["tenant"], HeadSpec.from_json(meta["head_spec"]), feature_meta, OptimizerSpec(**opt),
-                   seed=int(meta["seed"]), device=device)
+                   seed=int(meta["seed"]), device=device, **backbone)
         slot.load_state(path)
         return slot
 

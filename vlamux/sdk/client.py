@@ -108,10 +108,12 @@ class Client:
         return PolicyClient(self._http, policy_id)
 
     def training_client(self, head: dict | None = None, optimizer: dict | None = None, seed: int = 0,
-                        name: str | None = None, policy_id: str | None = None, backbone: str | None = None
-                        ) -> TrainingClient:
+                        name: str | None = None, policy_id: str | None = None, backbone: str | None = None,
+                        lora_rank: int | None = None) -> TrainingClient:
         """A new training slot with action head `head` (a HeadSpec dict) on `backbone` (a name from
-        `backbones()`; default the service's first), or (`policy_id`) an existing one."""
+        `backbones()`; default the service's first), or (`policy_id`) an existing one. lora_rank: give
+        the tenant's module a LoRA adapter of that rank on the backbone (its default Linears; a head's
+        own ``adapter`` dict says more)."""
         if policy_id is not None:
             info = self._http.get(f"/v1/policies/{policy_id}")["policy"]
             if info.get("source") != "training_slot":
@@ -120,6 +122,8 @@ class Client:
             return TrainingClient(self._http, info)
         if head is None:
             raise InvalidInputError(None, "invalid_input", "head: required (or policy_id)", "head")
+        if lora_rank is not None:
+            head = {**head, "adapter": {**(head.get("adapter") or {}), "kind": "lora", "rank": lora_rank}}
         body: dict[str, Any] = {"head": head, "seed": seed}
         if backbone is not None:
             body["backbone"] = backbone

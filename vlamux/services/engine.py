@@ -52,4 +52,5 @@ class EngineLoop:
                 "busy_s": self.accounting.busy_s, "tenants": len(self.runner.slots),
                 "device": str(lane.device), "dtype": dtype_name(lane.dtype), "fuse_heads": self.runner.fuse_heads,
                 "fused_calls": self.runner.fused.calls if self.runner.fused is not None else 0,
-                "memory": self.runner.pools.stats()}
+                "memory": self.runner.pools.stats(), "adapters": dict(self.runner.adapter_stats),
+                "tenant_memory": {t: s.memory_bytes() for t, s in list(self.runner.slots.items())}}

@@ -168,6 +168,12 @@ class TrainingActor(_Actor):
     def set_lr(self, tenant, lr, fresh_moments=False):
         return self.svc.set_lr(tenant, lr, fresh_moments).result(CALL_TIMEOUT_S)
 
+    def import_adapter(self, tenant, path):
+        return self.svc.import_adapter(tenant, path).result(CALL_TIMEOUT_S)
+
+    def export_adapter(self, tenant, path, base_model=None):
+        return self.svc.export_adapter(tenant, path, base_model).result(CALL_TIMEOUT_S)
+
     def tenants(self) -> list:
         return self.svc.tenants()
 
@@ -398,6 +404,12 @@ class RayRuntime:
 
     def set_lr(self, tenant: str, lr: float, fresh_moments: bool = False) -> Future:
         return self.training.set_lr.remote(tenant, lr, fresh_moments).future()
+
+    def import_adapter(self, tenant: str, path) -> Future:
+        return self._remember_after(tenant, self.training.import_adapter.remote(tenant, str(path)))
+
+    def export_adapter(self, tenant: str, path, base_model: str | None = None) -> Future:
+        return self.training.export_adapter.remote(tenant, str(path), base_model).future()
 
     def version(self, tenant: str) -> int:
         return ray.get(self.training.version.remote(tenant), timeout=CALL_TIMEOUT_S)

@@ -192,6 +192,12 @@ class EmbeddedRuntime:
     def set_lr(self, tenant: str, lr: float, fresh_moments: bool = False) -> Future:
         return self.training.set_lr(tenant, lr, fresh_moments)
 
+    def import_adapter(self, tenant: str, path: str | Path) -> Future:
+        return self.training.import_adapter(tenant, path)
+
+    def export_adapter(self, tenant: str, path: str | Path, base_model: str | None = None) -> Future:
+        return self.training.export_adapter(tenant, path, base_model)
+
     def forward_backward(self, tenant: str, *args, **kwargs) -> Future:
         return self.training.forward_backward(tenant, *args, **kwargs)
 

@@ -83,6 +83,14 @@ class TrainingModelService(EngineLoop):
             raise InvalidInputError(f"lr: expected a positive number, got {lr!r}")
         return self.queue.submit(TrainOp(tenant, "set_lr", (float(lr), bool(fresh_moments))))
 
+    def import_adapter(self, tenant: str, path: str | Path) -> Future:
+        """Start the tenant's adapter from a PEFT LoRA directory (rank, alpha and Linears must match)."""
+        return self.queue.submit(TrainOp(tenant, "import_adapter", Path(path)))
+
+    def export_adapter(self, tenant: str, path: str | Path, base_model: str | None = None) -> Future:
+        """Write the tenant's adapter as a PEFT directory."""
+        return self.queue.submit(TrainOp(tenant, "export_adapter", (Path(path), base_model)))
+
     def export_policy(self, tenant: str) -> Future:
         """The tenant's current policy version (a PolicySnapshot), taken in order with its other
         operations, so never from the middle of an optimizer step."""
@@ -149,6 +157,17 @@ class TrainingModelService(EngineLoop):
                 slot.optimizer.state.clear()  # Adam re-initialises them, bias correction included
             slot.optim_spec = dataclasses.replace(slot.optim_spec, lr=lr)
             return {"lr": lr, "fresh_moments": fresh}
+        if op.kind == "import_adapter":
+            slot = self.runner.slot(op.tenant)
+            published = slot.version
+            with self.runner.lane.active():
+                slot.import_adapter(op.payload)
+            slot.newer_than(published)
+            self._publish(op.tenant)
+            return {"policy_version": slot.version}
+        if op.kind == "export_adapter":
+            path, base = op.payload
+            return {"path": str(self.runner.slot(op.tenant).export_adapter(path, base))}
         if op.kind == "export_policy":
             return self.runner.slot(op.tenant).export_policy(self.runner.lane.export)
         if op.kind == "save_state":

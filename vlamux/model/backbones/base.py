@@ -62,6 +62,17 @@ class Backbone(nn.Module, abc.ABC):
             start += b.batch_size
         return out
 
+    # ---- what tenants' adapters may change (vlamux.model.adapters) --------------------------------------
+    LORA_DEFAULT: tuple[str, ...] = ()  # the Linears an adapter adapts when its spec names none
+
+    def adaptable(self) -> dict:
+        """{module name: Target} of every Linear a tenant's LoRA may adapt; none by default."""
+        return {}
+
+    def segments(self, batches: list) -> list[int]:
+        """Each request's extent along the adapted Linears' leading dimension in a group of `batches`."""
+        raise NotImplementedError(f"{type(self).__name__} does not host adapters")
+
     def freeze(self) -> Backbone:
         self.eval()
         self.requires_grad_(False)

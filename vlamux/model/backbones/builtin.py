@@ -111,6 +111,23 @@ class BuiltinBackbone(Backbone):
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, std=0.02)
 
+    LORA_DEFAULT = ("qkv", "proj")
+
+    def adaptable(self) -> dict:
+        from vlamux.model.adapters import Target
+
+        out = {}
+        for i, block in enumerate(self.blocks):
+            for name in ("qkv", "proj", "mlp.0", "mlp.2"):
+                m = block.get_submodule(name)
+                out[f"blocks.{i}.{name}"] = Target(f"blocks.{i}.{name}", m.in_features, m.out_features, i)
+        return out
+
+    def segments(self, batches: list[CanonicalBatch]) -> list[int]:
+        """Packed tokens: a request's extent is its rows times its own token count."""
+        c = self.config
+        return [b.batch_size * (c.n_query + b.n_cameras * c.patches_per_camera + b.text_len) for b in batches]
+
     @property
     def meta(self) -> FeatureMeta:
         c = self.config

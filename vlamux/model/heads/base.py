@@ -42,8 +42,15 @@ class HeadSpec:
     # cameras already knows what was asked (without it, heads on a frozen backbone ignore the instruction).
     instruction_cond: str = "add"  # none | add | adaln (adaln: +50% head parameters, no clear gain measured)
     options: dict = field(default_factory=dict)  # head-specific, see each head's DEFAULT_OPTIONS
+    # A LoRA adapter on the backbone, part of the tenant's module: {kind: lora, rank, alpha, dropout,
+    # target_modules, layers} (vlamux.model.adapters.LoRASpec); None: the head reads frozen features.
+    adapter: dict | None = None
 
     def __post_init__(self):
+        if self.adapter is not None:
+            from vlamux.model.adapters import LoRASpec
+
+            self.adapter = LoRASpec.from_dict(self.adapter).to_dict()  # checked, and in one canonical form
         for name in ("action_dim", "horizon", "width", "depth", "n_heads"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"head spec: {name} must be a positive integer, got {getattr(self, name)!r}")
@@ -55,7 +62,16 @@ class HeadSpec:
             raise ValueError(f"head spec: instruction_cond must be none, add or adaln, got {self.instruction_cond!r}")
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+        d = asdict(self)
+        if d["adapter"] is None:
+            del d["adapter"]  # files written before adapters existed say the same
+        return json.dumps(d, sort_keys=True)
+
+    @property
+    def lora(self):
+        from vlamux.model.adapters import LoRASpec
+
+        return None if self.adapter is None else LoRASpec.from_dict(self.adapter)
 
     @staticmethod
     def from_json(text: str) -> HeadSpec:

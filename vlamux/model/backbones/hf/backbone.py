@@ -76,6 +76,26 @@ class HFBackbone(Backbone):
     def meta(self) -> FeatureMeta:
         return FeatureMeta(self.backbone_id, self.hidden_dim, self.depth, 0, self.tokens_per_camera())
 
+    LORA_DEFAULT = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+    def adaptable(self) -> dict:
+        """The language model's Linears, named as in the transformers model (so PEFT's keys match):
+        their inputs are the group's rows [R, L, D]. The vision tower is not adapted."""
+        from vlamux.model.adapters import Target
+
+        text = self.family.text_model(self.model)
+        prefix = next(n for n, m in self.named_modules() if m is text)
+        out = {}
+        for i, layer in enumerate(text.layers):
+            for name, m in layer.named_modules():
+                if isinstance(m, torch.nn.Linear):
+                    full = f"{prefix}.layers.{i}.{name}"
+                    out[full] = Target(full, m.in_features, m.out_features, i)
+        return out
+
+    def segments(self, batches: list[HFBatch]) -> list[int]:
+        return [b.batch_size for b in batches]
+
     def describe(self) -> dict:
         return {**super().describe(), "family": self.family.name, "path": str(self.model_dir.path),
                 "random_weights": self.model_dir.random_weights, "image_size": self.image_size}
