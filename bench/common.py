@@ -78,6 +78,25 @@ def cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def add_cell_arguments(ap, result: str, default_seconds: str) -> None:
+    """The grid benchmarks' shared options: which cells, how many timed runs, how long, where to write."""
+    ap.add_argument("--grid", default=None, metavar="N:b,...", help="cells to run, e.g. 1:1,8:1 (default: the "
+                                                                      "full grid, or the quick one)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed runs per contender (median is reported)")
+    ap.add_argument("--min-seconds", type=float, default=None,
+                    help=f"time each contender at least this long per cell (default {default_seconds})")
+    ap.add_argument("--out", default=None, help=f"result file (default bench/results/{result}[_quick].json)")
+
+
+def cell_plan(args, grids: tuple[list, list], repeats: tuple[int, int], seconds: tuple[float, float]
+              ) -> tuple[list[tuple[int, int]], int, float]:
+    """(cells, repeats, seconds per contender) from the options of `add_cell_arguments`; each default a
+    (quick, full) pair picked by --quick."""
+    k = 0 if args.quick else 1
+    grid = parse_grid(args.grid) if args.grid else grids[k]
+    return grid, args.repeats or repeats[k], args.min_seconds if args.min_seconds is not None else seconds[k]
+
+
 def parse_grid(text: str) -> list[tuple[int, int]]:
     """"1:1,8:1" -> [(1, 1), (8, 1)]: the (tenants, local batch) cells to run."""
     cells = []

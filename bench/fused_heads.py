@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, interleaved_medians, parse_grid, print_table, write_json  # noqa: E402
+from common import (add_cell_arguments, cell_plan, environment, interleaved_medians, print_table,  # noqa: E402
+                    write_json)
 
 from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone  # noqa: E402
 from vlamux.model.backbones import spec_from_arg  # noqa: E402
@@ -129,16 +130,12 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", "--backbone", dest="preset", default="tiny", metavar="PRESET_OR_DIR",
                     help="the backbone the features come from: a built-in preset or a model directory")
     ap.add_argument("--head", default="gaussian", choices=["gaussian", "bins", "flow", "l1_chunk"])
-    ap.add_argument("--grid", default=None, metavar="N:b,...", help="cells to run (default: the full grid)")
-    ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--min-seconds", type=float, default=None, help="per contender and cell (default 1; --quick 0.3)")
     ap.add_argument("--vmap", action="store_true", help="also time torch.func.vmap (inference, gaussian head)")
-    ap.add_argument("--out", default=None, help="result file (default bench/results/fused_heads[_quick].json)")
+    add_cell_arguments(ap, "fused_heads", "1; --quick 0.3")
     add_device_arguments(ap)
     args = ap.parse_args(argv)
     device, dtype = parse_device_arguments(ap, args)
-    grid = parse_grid(args.grid) if args.grid else QUICK_GRID if args.quick else FULL_GRID
-    repeats = args.repeats or (5 if args.quick else 9)
+    grid, repeats, min_s = cell_plan(args, (QUICK_GRID, FULL_GRID), (5, 9), (0.3, 1.0))
     backbone = build_backbone(spec_from_arg(args.preset), device=device, dtype=dtype)
     env = environment(backbone.device, backbone.dtype)  # as built, not as asked
     print(f"fused heads: {args.head} heads on {args.preset} features, device={device}, dtype={env['dtype']}, "
@@ -146,7 +143,6 @@ def main(argv=None) -> int:
     cells = []
     for mode in ("inference", "train"):
         for n, b in grid:
-            min_s = args.min_seconds if args.min_seconds is not None else 0.3 if args.quick else 1.0
             cell = measure_cell(backbone, n, b, mode, args.head, repeats, min_s, args.vmap)
             cell.update(preset=args.preset, device=str(device), dtype=env["dtype"])
             cells.append(cell)

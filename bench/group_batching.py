@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, interleaved_medians, parse_grid, print_table, write_json  # noqa: E402
+from common import (add_cell_arguments, cell_plan, environment, interleaved_medians, print_table,  # noqa: E402
+                    write_json)
 
 from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone
 from vlamux.model.backbones import spec_from_arg
@@ -106,17 +107,11 @@ def main(argv=None) -> int:
     ap.add_argument("--backbone", default=None, metavar="PRESET_OR_DIR",
                     help="a built-in preset or a model directory (a transformers VLM; see `vlamux backbone init`)")
     add_device_arguments(ap)
-    ap.add_argument("--grid", default=None, metavar="N:b,...", help="cells to run, e.g. 1:1,8:1 (default: the "
-                                                                      "full grid, or the quick one)")
-    ap.add_argument("--repeats", type=int, default=None, help="timed runs per contender (median is reported)")
-    ap.add_argument("--min-seconds", type=float, default=None,
-                    help="time each contender at least this long per cell (default 1.5; --quick 0.5)")
-    ap.add_argument("--out", default=None, help="result file (default bench/results/group_batching[_quick].json)")
+    add_cell_arguments(ap, "group_batching", "1.5; --quick 0.5")
     args = ap.parse_args(argv)
     device, dtype = parse_device_arguments(ap, args)
 
-    grid = parse_grid(args.grid) if args.grid else QUICK_GRID if args.quick else FULL_GRID
-    repeats = args.repeats or (3 if args.quick else 5)
+    grid, repeats, min_s = cell_plan(args, (QUICK_GRID, FULL_GRID), (3, 5), (0.5, 1.5))
     backbone = build_backbone(spec_from_arg(args.backbone or args.preset), device=device, dtype=dtype)
     env = environment(backbone.device, backbone.dtype)  # as built, not as asked
     label = backbone.backbone_id if backbone.kind == "hf" else args.preset
@@ -126,7 +121,6 @@ def main(argv=None) -> int:
     cells = []
     for mode in ("inference", "train"):
         for n, b in grid:
-            min_s = args.min_seconds if args.min_seconds is not None else 0.5 if args.quick else 1.5
             cell = measure_cell(backbone, n, b, mode, repeats, min_s, str(device))
             cell.update(preset=label, backbone=backbone.describe().get("family", "builtin"), device=str(device),
                         dtype=env["dtype"])

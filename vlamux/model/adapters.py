@@ -196,16 +196,18 @@ def _hook(name: str):
         if segments is None or not any(a is not None and a.adapts(name) for _, a in segments):
             return output
         x = inputs[0]
-        if sum(n for n, _ in segments) != x.shape[0]:
-            raise RuntimeError(f"LoRA segments cover {sum(n for n, _ in segments)} of {x.shape[0]} rows at {name}")
-        pieces, start = [], 0
-        for n, adapter in segments:
-            piece = output[start:start + n]
+        sizes = [n for n, _ in segments]
+        if sum(sizes) != x.shape[0]:
+            raise RuntimeError(f"LoRA segments cover {sum(sizes)} of {x.shape[0]} rows at {name}")
+        # one split and one add: slicing the output (or the input) per segment would make the backward
+        # fill a full-size zero tensor per segment and layer
+        deltas = []
+        for xs, (n, adapter) in zip(x.split(sizes), segments):
             if adapter is not None and adapter.adapts(name):
-                piece = piece + adapter.delta(name, x[start:start + n]).to(piece.dtype)
-            pieces.append(piece)
-            start += n
-        return torch.cat(pieces)
+                deltas.append(adapter.delta(name, xs).to(output.dtype))
+            else:
+                deltas.append(output.new_zeros(n, *output.shape[1:]))
+        return output + torch.cat(deltas)
 
     return hook
 

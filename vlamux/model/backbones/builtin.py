@@ -73,12 +73,12 @@ class Block(nn.Module):
         """
         d = x.shape[-1]
         qkv = self.qkv(self.norm1(x))
-        outs, start = [], 0
-        for rows, length, mask in segments:
-            n = rows * length
-            q, k, v = qkv[start:start + n].view(rows, length, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
-            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(n, d))
-            start += n
+        outs = []
+        # split, not sliced per segment: under autograd (adapters) each slice's backward would fill a
+        # zero tensor of the whole group
+        for part, (rows, length, mask) in zip(qkv.split([r * n for r, n, _ in segments]), segments):
+            q, k, v = part.view(rows, length, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+            outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(rows * length, d))
         x = x + self.proj(outs[0] if len(outs) == 1 else torch.cat(outs))
         return x + self.mlp(self.norm2(x))
 
@@ -149,13 +149,13 @@ class BuiltinBackbone(Backbone):
             if i >= c.depth - n_layers:
                 kept.append(x)
         x = self.norm(x)
-        out, start = [], 0
-        for h, mask, token_type in embedded:
+        sizes = [e[1].numel() for e in embedded]
+        pieces = [t.split(sizes) for t in (x, *kept)]
+        out = []
+        for i, (h, mask, token_type) in enumerate(embedded):
             rows, length = mask.shape
-            piece = slice(start, start + rows * length)
-            start += rows * length
-            out.append(VLAFeature(x[piece].view(rows, length, c.dim), mask, token_type, self.meta,
-                                  tuple(t[piece].view(rows, length, c.dim) for t in kept)))
+            out.append(VLAFeature(pieces[0][i].view(rows, length, c.dim), mask, token_type, self.meta,
+                                  tuple(p[i].view(rows, length, c.dim) for p in pieces[1:])))
         return out
 
     def _embed(self, batch: CanonicalBatch) -> tuple[Tensor, Tensor, Tensor]:

@@ -164,8 +164,11 @@ class HFBackbone(Backbone):
         hidden = out.last_hidden_state if self.layer is None else states[self.layer - 1]
         kept = states[len(states) - n_layers:] if n_layers else ()
         length = hidden.shape[1]
+        # split by request, not sliced: under autograd (adapters) a slice's backward fills the whole group
+        sizes = [b.batch_size for b in batches]
+        hidden_of, kept_of = hidden.split(sizes), [s.split(sizes) for s in kept]
         features, start = [], 0
-        for b in batches:
+        for g, b in enumerate(batches):
             rows = slice(start, start + b.batch_size)
             start += b.batch_size
             own = max(len(r.input_ids) for r in b.rows)
@@ -178,8 +181,8 @@ class HFBackbone(Backbone):
                     types[i, :n] = t
                 else:
                     types[i, own - n:] = t
-            features.append(VLAFeature(hidden[rows, at], mask, types.to(hidden.device), self.meta,
-                                       tuple(s[rows, at] for s in kept)))
+            features.append(VLAFeature(hidden_of[g][:, at], mask, types.to(hidden.device), self.meta,
+                                       tuple(k[g][:, at] for k in kept_of)))
         return features
 
     # ---- helpers ------------------------------------------------------------------------------------
