@@ -9,13 +9,15 @@ next one runs; steps are skipped, and say so, once the budget is spent):
   tests               pytest -m cuda: the tests that need a GPU
   group_batching_base bench/group_batching.py, base preset (86M), 1-16 tenants, up to 256 rows
   fused_heads         bench/fused_heads.py: per-tenant vs fused heads, 1-16 tenants x b in {1, 4}
+  lora_groups         bench/lora_groups.py, base preset: N LoRA tenants serial vs one mixed group
   inference_serving   bench/inference_serving.py: 1-16 concurrent sessions
   async_rl            bench/async_rl.py: synchronous vs four-lane RL, one tenant
   multi_tenant        bench/multi_tenant.py: 3 RL + 1 SFT tenants, isolated vs together
   group_batching_xl   group batching on the xl preset (1.0B, 12x base)
   hf_init, group_batching_hf  a random Qwen2.5-VL of the 3B model's shape, and group batching on it
-Out: group_batching.json (the three group-batching runs), fused_heads.json, inference_serving.json,
-async_rl.json, multi_tenant.json, summary.json, device_check.log.
+Out: group_batching.json (the three group-batching runs), fused_heads.json, lora_groups.json,
+inference_serving.json, async_rl.json, multi_tenant.json, summary.json, device_check.log (eight files,
+what a device call brings back at most).
 docs/GPU.md says how to run it on the lent machine (wheels and GL loaders carried with the tree).
 """
 
@@ -66,6 +68,9 @@ def steps() -> list[Step]:
         Step("fused_heads", ["bench/fused_heads.py", "--preset", "base", "--repeats", "7", "--vmap", *quick, *gpu],
              ["bench/fused_heads.py", "--preset", "tiny", "--grid", "1:1,2:1", "--repeats", "1", *none, "--vmap", *cpu],
              35),
+        Step("lora_groups", ["bench/lora_groups.py", "--backbone", "base", "--repeats", "3", "--min-seconds", "0.1",
+                             *gpu],
+             ["bench/lora_groups.py", "--backbone", "tiny", "--grid", "1:1,2:1", "--repeats", "1", *none, *cpu], 45),
         Step("inference_serving",
              ["bench/inference_serving.py", "--preset", "base", "--sessions", "1,8,16", "--seconds", "2", *gpu],
              ["bench/inference_serving.py", "--preset", "tiny", "--sessions", "1,2", "--seconds", "0.5", *cpu], 45),
@@ -80,7 +85,7 @@ def steps() -> list[Step]:
              ["bench/multi_tenant.py", "--quick", "--sft-steps", "4", "--warm-start-steps", "2", "--rl-env-steps",
               "32", "--demos", "2", "--demo-cameras", "image", *cpu], 80),
         Step("group_batching_xl", [gb, "--preset", "xl", "--grid", "1:1,8:1,16:4,16:16", "--repeats", "3", *quick, *gpu],
-             [gb, "--preset", "tiny", "--grid", "2:1", "--repeats", "1", *none, *cpu], 60),
+             [gb, "--preset", "tiny", "--grid", "2:1", "--repeats", "1", *none, *cpu], 50),
         # a Qwen2.5-VL of the 3B model's shape, random weights, made on the GPU in bf16 (7 GB on disk)
         Step("hf_init", ["-m", "vlamux.cli", "backbone", "init", "--family", "qwen2_5_vl", "--size", "3b", "--out",
                          "{model}", "--overwrite", "--dtype", "bfloat16", "--device", "cuda"],
@@ -156,6 +161,13 @@ def summarize(out_dir: Path, runs: dict, dry: bool, wall_s: float) -> dict:
     s["fused_heads"] = {mode: {"tenants": n, "local_batch": b, "speedup": c["speedup"]}
                         for mode in ("inference", "train") if (c := _cell(fused and fused["cells"], mode, n, b))} \
         or None
+    lora = _load(out_dir, "lora_groups")
+    s["lora_groups"] = {mode: {k: c[k] for k in ("n_tenants", "local_batch", "speedup", "limit_speedup", "of_limit",
+                                                  "lora_overhead")}
+                        for mode in ("inference", "train") if (c := _cell(lora and lora["cells"], mode, n, b))} \
+        or None
+    if lora:
+        s["lora_groups_worst_of_limit"] = min(c["of_limit"] for c in lora["cells"])
     serving = _load(out_dir, "inference_serving")
     s["inference_serving"] = serving and serving["summary"]
     arl = _load(out_dir, "async_rl")

@@ -23,7 +23,7 @@ def test_device_check_dry_run(tmp_path):
     assert set(merged) == {"base", "xl", "hf"} and all(merged.values())
     assert {c["backbone"] for c in merged["hf"]} == {"qwen2_5_vl"}  # the random hf directory the check made
     results = {f"group_batching_{k}": v for k, v in merged.items()}
-    for name in ("fused_heads", "inference_serving", "async_rl", "multi_tenant"):
+    for name in ("fused_heads", "lora_groups", "inference_serving", "async_rl", "multi_tenant"):
         results[name] = json.loads((out / f"{name}.json").read_text())
     for name, result in results.items():
         if isinstance(result, list):  # group_batching: its cells
@@ -35,6 +35,9 @@ def test_device_check_dry_run(tmp_path):
         gb = summary[name]["inference"]
         assert gb["grouped_vs_serial"] > 0 and gb["limit"] > 0
     assert summary["fused_heads"]["inference"]["speedup"] > 0
+    lora = summary["lora_groups"]["train"]
+    assert lora["n_tenants"] == 2 and lora["speedup"] > 0 and lora["limit_speedup"] > 0
+    assert summary["lora_groups_worst_of_limit"] > 0
     assert summary["async_rl"]["speedup"] > 0 and "reduction" in summary["multi_tenant"]
     assert set(summary["memory_peaks_bytes"]["multi_tenant"]) >= {"model", "rollout"}
     assert (out / "device_check.log").stat().st_size > 0

@@ -256,3 +256,57 @@ def test_a_new_adapter_version_reaches_inference_between_groups():
             want = reference.execute([Sample("t0", obs, True)])[0].unwrap()["actions"]
             for c in (c for c in chunks if c["policy_version"] == v):
                 assert torch.equal(c["actions"], want), v
+
+
+@pytest.mark.parametrize("shapes", ["equal", "padded"])
+def test_adapters_of_one_rank_take_the_batched_path_and_equal_serial(setup, monkeypatch, shapes):
+    """Adapters of one rank: the deltas run as batched matmuls over the stacked adapters (segments of
+    unequal length zero-padded), and still equal each tenant alone, in outputs and gradients; a NaN
+    adapter among them fails only its tenant."""
+    from vlamux.model import adapters
+
+    kind, bb = setup
+    calls = []
+    real = adapters._batched_deltas
+    monkeypatch.setattr(adapters, "_batched_deltas", lambda *a: calls.append(1) or real(*a))
+    same = {f"e{i}": (TaskProfile({"top": (32, 32)}, 4, 6, 3, "reach the block"), 2) for i in range(4)}
+    if shapes == "padded":  # a longer instruction, more rows
+        same["e3"] = (TaskProfile({"top": (32, 32)}, 4, 6, 3, "now please reach the {color} block"), 3)
+    targets = {"builtin": ["qkv", "mlp.2"], "hf": ["q_proj", "down_proj"]}[kind]
+
+    def build():
+        r = ModelRunner(bb)
+        for i, t in enumerate(same):
+            spec = HeadSpec("gaussian", 4, 6, 3, width=32, depth=1,
+                            adapter={"rank": 4, "alpha": 4.0 * (i + 1), "target_modules": targets})
+            r.create_slot(t, spec, OptimizerSpec(lr=3e-3), seed=40 + i)
+            with torch.no_grad():  # non-zero B: the deltas matter from the first step
+                for b in r.slot(t).adapter.B.values():
+                    b.normal_(0, 0.05, generator=torch.Generator().manual_seed(i))
+        return r
+
+    grouped, serial = build(), build()
+    for r in (grouped, serial):
+        with torch.no_grad():
+            next(iter(r.slot("e2").adapter.A.values())).fill_(float("nan"))
+    batch = data(7, same)
+    reqs = [ForwardBackward(t, obs, act) for t, (obs, act) in batch.items()]
+    a = grouped.execute(reqs)
+    assert calls, "the batched path was not taken"
+    n = len(calls)
+    b = serial.execute(reqs, grouped=False)
+    assert len(calls) == n  # alone, a tenant is one segment: the plain path
+    for x, y in zip(a, b):
+        if x.tenant == "e2":
+            assert isinstance(x.error, NonFiniteError) and isinstance(y.error, NonFiniteError)
+            continue
+        assert abs(x.unwrap()["loss"] - y.unwrap()["loss"]) <= TOL * max(1.0, abs(y.output["loss"])), x.tenant
+        for pg, ps in zip(grouped.slot(x.tenant).params, serial.slot(x.tenant).params):
+            assert (pg.grad is None) == (ps.grad is None)
+            if pg.grad is not None:
+                assert torch.isfinite(pg.grad).all() and close(pg.grad, ps.grad), x.tenant
+    obs = {t: o for t, (o, _) in data(8, same).items() if t != "e2"}
+    s1 = grouped.execute([Sample(t, o, True) for t, o in obs.items()])
+    s2 = serial.execute([Sample(t, o, True) for t, o in obs.items()], grouped=False)
+    for x, y in zip(s1, s2):
+        assert close(x.output["actions"], y.output["actions"]), x.tenant

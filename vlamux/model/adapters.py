@@ -199,17 +199,44 @@ def _hook(name: str):
         sizes = [n for n, _ in segments]
         if sum(sizes) != x.shape[0]:
             raise RuntimeError(f"LoRA segments cover {sum(sizes)} of {x.shape[0]} rows at {name}")
-        # one split and one add: slicing the output (or the input) per segment would make the backward
-        # fill a full-size zero tensor per segment and layer
-        deltas = []
-        for xs, (n, adapter) in zip(x.split(sizes), segments):
-            if adapter is not None and adapter.adapts(name):
-                deltas.append(adapter.delta(name, xs).to(output.dtype))
-            else:
-                deltas.append(output.new_zeros(n, *output.shape[1:]))
-        return output + torch.cat(deltas)
+        adapted = [i for i, (_, a) in enumerate(segments) if a is not None and a.adapts(name)]
+        parts = x.split(sizes)
+        if len(adapted) > 1 and len({segments[i][1].spec.rank for i in adapted}) == 1:
+            own = _batched_deltas(name, [parts[i] for i in adapted], [segments[i][1] for i in adapted])
+            deltas = [output.new_zeros(n, *output.shape[1:]) for n in sizes]
+            for i, d in zip(adapted, own):
+                deltas[i] = d.to(output.dtype)
+        else:
+            # one split and one add: slicing the output (or the input) per segment would make the
+            # backward fill a full-size zero tensor per segment and layer
+            deltas = [adapter.delta(name, xs).to(output.dtype) if adapter is not None and adapter.adapts(name)
+                      else output.new_zeros(n, *output.shape[1:]) for xs, (n, adapter) in zip(parts, segments)]
+        return output + (deltas[0] if len(deltas) == 1 else torch.cat(deltas))
 
     return hook
+
+
+def _batched_deltas(name: str, parts: list[Tensor], adapters: list[LoRAAdapter]) -> list[Tensor]:
+    """Several tenants' deltas at one Linear, their adapters of one rank (Punica's SGMV case): two
+    batched matmuls over the stacked A and B, the segments zero-padded to the longest, not 2N small
+    matmuls. Each tenant's rows meet only its own A and B (a NaN stays in its batch entry)."""
+    k = _key(name)
+    scales = {ad.spec.scale for ad in adapters}
+    a = torch.stack([ad.A[k] for ad in adapters])  # [N, r, in]
+    if len(scales) == 1:
+        b, scale = torch.stack([ad.B[k] for ad in adapters]), scales.pop()  # [N, out, r]
+    else:  # scaled on the device: no host tensor of scales to copy over per layer
+        b, scale = torch.stack([ad.B[k] * ad.spec.scale for ad in adapters]), 1.0
+    flat = [p.reshape(-1, p.shape[-1]) for p in parts]
+    longest = max(f.shape[0] for f in flat)
+    if all(f.shape[0] == longest for f in flat):
+        xs = torch.stack(flat)
+    else:
+        xs = torch.stack([torch.nn.functional.pad(f, (0, 0, 0, longest - f.shape[0])) for f in flat])
+    out = torch.bmm(torch.bmm(xs.to(a.dtype), a.transpose(1, 2)), b.transpose(1, 2)) * scale  # [N, longest, out]
+    # unbind, not indexed: each index's backward would fill a zero tensor of all N entries
+    return [(o if f.shape[0] == longest else o[:f.shape[0]]).view(*p.shape[:-1], o.shape[-1])
+            for o, f, p in zip(out.unbind(0), flat, parts)]
 
 
 # ---- PEFT directories -------------------------------------------------------------------------------
