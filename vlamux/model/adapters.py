@@ -199,27 +199,19 @@ def _hook(name: str):
         sizes = [n for n, _ in segments]
         if sum(sizes) != x.shape[0]:
             raise RuntimeError(f"LoRA segments cover {sum(sizes)} of {x.shape[0]} rows at {name}")
-        adapted = [i for i, (_, a) in enumerate(segments) if a is not None and a.adapts(name)]
-        parts = x.split(sizes)
-        if len(adapted) > 1 and len({segments[i][1].spec.rank for i in adapted}) == 1:
-            own = _batched_deltas(name, [parts[i] for i in adapted], [segments[i][1] for i in adapted])
-            deltas = [output.new_zeros(n, *output.shape[1:]) for n in sizes]
-            for i, d in zip(adapted, own):
-                deltas[i] = d.to(output.dtype)
-        else:
-            # one split and one add: slicing the output (or the input) per segment would make the
-            # backward fill a full-size zero tensor per segment and layer
-            deltas = [adapter.delta(name, xs).to(output.dtype) if adapter is not None and adapter.adapts(name)
-                      else output.new_zeros(n, *output.shape[1:]) for xs, (n, adapter) in zip(parts, segments)]
-        return output + (deltas[0] if len(deltas) == 1 else torch.cat(deltas))
+        adapters = [a if a is not None and a.adapts(name) else None for _, a in segments]
+        if (len(adapters) > 1 and None not in adapters and len({a.spec.rank for a in adapters}) == 1
+                and len(set(sizes)) == 1):
+            return _uniform_group(name, x, output, adapters)
+        return _segmented(name, x, output, sizes, adapters)
 
     return hook
 
 
-def _batched_deltas(name: str, parts: list[Tensor], adapters: list[LoRAAdapter]) -> list[Tensor]:
-    """Several tenants' deltas at one Linear, their adapters of one rank (Punica's SGMV case): two
-    batched matmuls over the stacked A and B, the segments zero-padded to the longest, not 2N small
-    matmuls. Each tenant's rows meet only its own A and B (a NaN stays in its batch entry)."""
+def _uniform_group(name: str, x: Tensor, output: Tensor, adapters: list[LoRAAdapter]) -> Tensor:
+    """Every segment adapted, all of one length and one rank: the input and the output seen as [N, rows, features] are views, so the deltas take two batched
+    matmuls (Punica's SGMV case), the second one adding onto the base output, with no copy of the
+    activations. Each tenant's rows meet only its own A and B: a NaN stays in its batch entry."""
     k = _key(name)
     scales = {ad.spec.scale for ad in adapters}
     a = torch.stack([ad.A[k] for ad in adapters])  # [N, r, in]
@@ -227,16 +219,69 @@ def _batched_deltas(name: str, parts: list[Tensor], adapters: list[LoRAAdapter])
         b, scale = torch.stack([ad.B[k] for ad in adapters]), scales.pop()  # [N, out, r]
     else:  # scaled on the device: no host tensor of scales to copy over per layer
         b, scale = torch.stack([ad.B[k] * ad.spec.scale for ad in adapters]), 1.0
-    flat = [p.reshape(-1, p.shape[-1]) for p in parts]
-    longest = max(f.shape[0] for f in flat)
-    if all(f.shape[0] == longest for f in flat):
-        xs = torch.stack(flat)
-    else:
-        xs = torch.stack([torch.nn.functional.pad(f, (0, 0, 0, longest - f.shape[0])) for f in flat])
-    out = torch.bmm(torch.bmm(xs.to(a.dtype), a.transpose(1, 2)), b.transpose(1, 2)) * scale  # [N, longest, out]
-    # unbind, not indexed: each index's backward would fill a zero tensor of all N entries
-    return [(o if f.shape[0] == longest else o[:f.shape[0]]).view(*p.shape[:-1], o.shape[-1])
-            for o, f, p in zip(out.unbind(0), flat, parts)]
+    n = len(adapters)
+    h = torch.bmm(x.reshape(n, -1, x.shape[-1]).to(a.dtype), a.transpose(1, 2))
+    base = output.reshape(n, -1, output.shape[-1])
+    if base.dtype == b.dtype:
+        return torch.baddbmm(base, h, b.transpose(1, 2), alpha=scale).view(output.shape)
+    return (base + (torch.bmm(h, b.transpose(1, 2)) * scale).to(base.dtype)).view(output.shape)
+
+
+def _segmented(name: str, x: Tensor, output: Tensor, sizes: list[int], adapters: list) -> Tensor:
+    """Segments of any lengths and ranks, some with no adapter: each adapted segment's delta is added
+    in place onto its own rows of the base output (mLoRA's per-segment add)."""
+    k = _key(name)
+    per_row = x[0].numel() // x.shape[-1] if x.shape[0] else 1  # 2-D rows per leading index
+    spans, weights = [], []
+    start = 0
+    for n, ad in zip(sizes, adapters):
+        if ad is not None:
+            spans.append((start * per_row, n * per_row, ad.spec.scale))
+            weights += [ad.A[k], ad.B[k]]
+        start += n
+    return _SegmentedLoRA.apply(x, output, spans, *weights)
+
+
+class _SegmentedLoRA(torch.autograd.Function):
+    """`output` (the Linear's own result, which its backward does not keep) plus each span's delta, in
+    place, the gradient to `output` passing through unchanged: slicing a tensor inside autograd would make each slice's backward fill a group-size zero
+    tensor per segment and layer, and a concatenation would copy every activation. Forward and
+    backward touch each span's rows only, with its own A and B, so a NaN adapter stays in its rows."""
+
+    @staticmethod
+    def forward(ctx, x, output, spans, *weights):
+        # in place through a detached alias: `output` may be a view (a Linear on [B, S, in] views its
+        # matmul's result), and a view marked dirty would route its gradient through its base
+        x2, o2 = x.reshape(-1, x.shape[-1]), output.detach().view(-1, output.shape[-1])
+        hs = []
+        for (start, n, scale), a, b in zip(spans, weights[0::2], weights[1::2]):
+            h = x2[start:start + n].to(a.dtype) @ a.t()
+            rows = o2[start:start + n]
+            if rows.dtype == b.dtype:
+                rows.addmm_(h, b.t(), alpha=scale)
+            else:
+                rows.add_((h @ b.t() * scale).to(rows.dtype))
+            hs.append(h)
+        ctx.spans = spans
+        ctx.save_for_backward(x, *hs, *weights)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, *rest = ctx.saved_tensors
+        hs, weights = rest[:len(ctx.spans)], rest[len(ctx.spans):]
+        x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        gx = torch.zeros_like(x2) if ctx.needs_input_grad[0] else None
+        grads = []
+        for i, ((start, n, scale), h) in enumerate(zip(ctx.spans, hs)):
+            a, b = weights[2 * i], weights[2 * i + 1]
+            g = g2[start:start + n].to(b.dtype)
+            u = g @ b  # [n, r]
+            if gx is not None:
+                gx[start:start + n] = (u @ a * scale).to(gx.dtype)
+            grads += [u.t() @ x2[start:start + n].to(a.dtype) * scale if ctx.needs_input_grad[3 + 2 * i] else None,
+                      g.t() @ h * scale if ctx.needs_input_grad[4 + 2 * i] else None]
+        return (gx.view(x.shape) if gx is not None else None), grad, None, *grads
 
 
 # ---- PEFT directories -------------------------------------------------------------------------------

@@ -313,7 +313,7 @@ class ModelRunner:
         except Exception as e:  # noqa: BLE001
             for w, *_rest, rng in works:
                 w.slot.generator.set_state(rng)
-                w.error = e
+                w.error, w.span = e, (start, start, 0.0)
                 rnd.works.append(w)
             return
         end, at = self.lane.mark(), 0
