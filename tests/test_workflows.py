@@ -336,3 +336,33 @@ def test_several_passes_over_a_segment_are_not_mistaken_for_stale_data():
         assert stats.version == 4 * stats.segments_trained and stats.rows_dropped == 0
     finally:
         rt.stop()
+
+
+def test_an_sft_job_with_an_adapter_starts_from_a_peft_directory_and_writes_one(runtime, demos, tmp_path):
+    from safetensors.torch import load_file
+
+    head = {**HEAD, "adapter": {"kind": "lora", "rank": 4, "alpha": 8, "target_modules": ["qkv"]}}
+    spec = {"name": "lora-a", "tenant": "lora-a", "kind": "sft", "head": head,
+            "sft": {"dataset": str(demos), "steps": 3, "batch_size": 4}, "checkpoint_every": 3}
+    master = MasterService(runtime, tmp_path)
+    first = master.wait(master.submit(spec), 300)
+    assert first.state == "succeeded", first.error
+    out = tmp_path / "lora-a" / "adapter"
+    assert first.result["adapter"] == str(out)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["target_modules"]
+    trained = load_file(out / "adapter_model.safetensors")
+    assert trained and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in trained)
+    assert any(v.abs().max() > 0 for k, v in trained.items() if "lora_B" in k)  # three steps moved B off zero
+
+    # a second tenant starts from that directory: its adapter before any step is the first one's
+    again = master.wait(master.submit({**spec, "name": "lora-b", "tenant": "lora-b", "init_adapter": str(out),
+                                       "sft": {**spec["sft"], "steps": 1, "lr": 1e-12}}), 300)
+    assert again.state == "succeeded", again.error
+    started = load_file(tmp_path / "lora-b" / "adapter" / "adapter_model.safetensors")
+    assert started.keys() == trained.keys()
+    assert all(torch.allclose(started[k], trained[k], atol=1e-9) for k in trained)
+    with pytest.raises(JobSpecError, match="init_adapter: the head has no adapter"):
+        load_spec({**spec, "head": HEAD, "init_adapter": str(out)})
+    with pytest.raises(JobSpecError, match="not a PEFT adapter directory"):
+        load_spec({**spec, "init_adapter": str(tmp_path)})

@@ -219,6 +219,8 @@ class ServiceHost:
         if raw.get("init_from") is not None:
             raise JobSpecError("init_from: not available over the API; start from a policy's checkpoint with "
                                "the training client's load_state")
+        if raw.get("init_adapter") is not None:
+            raise JobSpecError("init_adapter: not available over the API (a path on the service's machine)")
         sft = raw.get("sft")
         if isinstance(sft, dict) and "dataset" in sft:
             sft = dict(sft)

@@ -122,6 +122,8 @@ class MasterService:
                 log.info("job %s resumes from %s (%s)", spec.name, ckpt, resume)
             elif spec.init_from:
                 svc.load_state(spec.tenant, spec.init_from).result(120)
+            if resume is None and spec.init_adapter:
+                svc.import_adapter(spec.tenant, spec.init_adapter).result(120)
             result = {"name": spec.name, "tenant": spec.tenant, "kind": spec.kind}
             if spec.eval is not None and spec.eval.before and resume is None:
                 result["before"] = self._evaluate(job)
@@ -143,6 +145,8 @@ class MasterService:
                 start = result.get("after_sft") or result.get("before")
                 if start is not None:  # the same seeds: did training change which episodes succeed?
                     result["paired"] = paired(start, result["after"])
+            if spec.head.adapter is not None:  # the adapter as PEFT reads it, beside the slot file
+                result["adapter"] = svc.export_adapter(spec.tenant, job.dir / "adapter").result(120)["path"]
             result["wall_s"] = time.monotonic() - t0
             result["policy_version"] = svc.training.version(spec.tenant)
             job.result = result

@@ -10,6 +10,9 @@
     eval: {tasks: [goal/touch-red-cube], episodes: 20}
     checkpoint_every: 10          # optimizer steps (SFT) or trained segments (RL)
     init_from: runs/sft/acme/checkpoint.safetensors   # optional: start from this slot file
+    init_adapter: DIR             # optional: start the head's adapter from a PEFT LoRA directory
+
+A job whose head has an adapter also writes it in PEFT's layout to `<job dir>/adapter/`.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class JobSpec:
     eval: EvalSpec | None = None
     checkpoint_every: int = 10
     init_from: str | None = None
+    init_adapter: str | None = None  # a PEFT LoRA directory (the head must carry an adapter)
     seed: int = 0
 
     def __post_init__(self):
@@ -70,6 +74,12 @@ class JobSpec:
             raise JobSpecError(f"name: letters, digits, '-', '_' and '.' only, got {self.name!r}")
         if self.checkpoint_every < 1:
             raise JobSpecError(f"checkpoint_every: expected >= 1, got {self.checkpoint_every}")
+        if self.init_adapter is not None:
+            if self.head.adapter is None:
+                raise JobSpecError("init_adapter: the head has no adapter to start; give head.adapter too")
+            if not (Path(self.init_adapter) / "adapter_config.json").is_file():
+                raise JobSpecError(f"init_adapter: {self.init_adapter} is not a PEFT adapter directory "
+                                   "(no adapter_config.json)")
 
     @property
     def env(self) -> EnvSpec | None:
