@@ -1,19 +1,21 @@
 """The main job: the multi-tenant experiment a user of vlamux cares about, on this machine.
 
 Three RL tenants (gaussian PPO, bins PPO, gaussian GRPO) and one SFT tenant (flow head) share one
-frozen backbone on the embedded runtime, on the built-in MuJoCo suite. Every RL tenant clones the
-scripted demonstrations first, then reinforces from there; every tenant is evaluated before and
-after on seeded episodes. The jobs run all at once (requests of different tenants share backbone
+frozen backbone on the embedded runtime — the built-in tiny backbone with its shipped weights,
+pretrained on the built-in MuJoCo suite — and two of them (flow, bins) train a LoRA adapter on it
+beside their head. Every RL tenant clones the scripted noisy-expert (DART) demonstrations first, then
+reinforces from there; every tenant is evaluated before and after on seeded episodes. The jobs run all at once (requests of different tenants share backbone
 forwards), then — unless --no-isolated — one after another, each with the services to itself, so
 the run ends with the time multi-tenancy saved.
 
     python -m vlamux.main_job [--quick] [--no-isolated] [--workdir runs/main] [--device auto] [--dtype auto]
-                              [--backbone tiny | DIR]
+                              [--backbone tiny-tabletop | tiny | DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -54,6 +56,11 @@ def _ticker(every_s: float):
     return tick
 
 
+def _module(spec: dict) -> str:
+    a = spec["head"].get("adapter")
+    return f"head + LoRA r{a['rank']}" if a else "head on frozen features"
+
+
 def _ci(r: dict) -> str:
     lo, hi = r["ci95"]
     return f"{r['success']:.2f} [{lo:.2f}, {hi:.2f}]"
@@ -66,8 +73,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", default="runs/main")
     ap.add_argument("--data", default="data/demos")
     ap.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
-    ap.add_argument("--backbone", default="tiny", metavar="PRESET_OR_DIR",
-                    help="the shared backbone: a built-in preset, or a model directory (a transformers VLM)")
+    ap.add_argument("--backbone", default="tiny-tabletop", metavar="PRESET_OR_DIR",
+                    help="the shared backbone: shipped weights (tiny-tabletop), a built-in preset (random "
+                         "weights), or a model directory (a transformers VLM)")
     add_device_arguments(ap)
     args = ap.parse_args(argv)
     device, dtype = parse_device_arguments(ap, args)
@@ -76,7 +84,8 @@ def main(argv=None) -> int:
     if workdir.exists():  # a fresh experiment (jobs would otherwise resume from these checkpoints)
         shutil.rmtree(workdir)
 
-    print(f"demonstrations: {budget.demos} scripted episodes of the built-in suite ...", flush=True)
+    print(f"demonstrations: {budget.demos} scripted episodes of the built-in suite (expert motion noise "
+          f"{budget.demo_noise:g}) ...", flush=True)
     dataset = ensure_demos(budget, args.data)
     try:
         spec_from_arg(args.backbone)
@@ -85,9 +94,10 @@ def main(argv=None) -> int:
     specs = job_specs(budget, dataset, args.backbone)
     print(f"\n{len(specs)} tenants on one shared frozen backbone ({args.backbone}, {device}, {dtype_name(dtype)}), "
           f"embedded runtime:")
+    module = {s["tenant"]: _module(s) for s in specs}
     for s in specs:
         what = "SFT" if s["kind"] == "sft" else f"SFT warm start, then RL ({s['rl'].get('algorithm', 'ppo')})"
-        print(f"  {s['tenant']:14s} head {s['head']['kind']:9s} {what}")
+        print(f"  {s['tenant']:14s} head {s['head']['kind']:9s} {module[s['tenant']]:24s} {what}")
 
     print("\n== multi-tenant: all jobs at once ==", flush=True)
     place = {"device": str(device), "dtype": dtype_name(dtype), "backbone": args.backbone}
@@ -97,18 +107,22 @@ def main(argv=None) -> int:
         print("\n== isolated: the same jobs one after another, each with the services to itself ==", flush=True)
         isolated = run(specs, "isolated", workdir, on_tick=_ticker(args.progress_every), **place)
 
-    print("\nresults per tenant (success on seeded episodes, 95% CI):")
+    print(f"\nresults per tenant (success on {budget.eval_episodes} seeded episodes, 95% CI):")
     for name, r in multi["jobs"].items():
         extra = ""
         if "rl" in r:
             extra = f"  (RL: {r['rl']['env_steps']} env steps, {r['rl']['env_steps_per_s']:.0f}/s, " \
                     f"max lag {r['rl']['max_staleness_seen']})"
         warm = f"  after SFT {_ci(r['after_sft'])}" if "after_sft" in r else ""
-        print(f"  {name:14s} before {_ci(r['before'])}{warm}  after {_ci(r['after'])}{extra}")
+        print(f"  {name:14s} {module[name]:24s} before {_ci(r['before'])}{warm}  after {_ci(r['after'])}{extra}")
+    low = [n for n, r in multi["jobs"].items() if r["after"]["success"] < 0.70]
+    print(f"  every tenant ends at >= 70% over {budget.eval_episodes} episodes" if not low else
+          f"  below 70% over {budget.eval_episodes} episodes: {', '.join(low)}")
     print("\nservices (busy / wall):")
     print(f"  multi-tenant: wall {multi['wall_s']:.0f}s, training {multi['train_util']:.1%}, "
           f"inference {multi['infer_util']:.1%}")
-    summary = {"multi": {k: v for k, v in multi.items() if k != "jobs"}, "results": multi["jobs"]}
+    summary = {"multi": {k: v for k, v in multi.items() if k != "jobs"}, "results": multi["jobs"],
+               "budget": dataclasses.asdict(budget), "backbone": args.backbone, "modules": module}
     if isolated:
         reduction = 1 - multi["wall_s"] / isolated["wall_s"]
         print(f"  isolated:     wall {isolated['wall_s']:.0f}s, training {isolated['train_util']:.1%}, "

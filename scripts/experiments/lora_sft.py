@@ -7,7 +7,9 @@ from the LoRA tenant's policy (head and adapter), evaluated again on the same se
     python -m vlamux.data.demos --suite goal --episodes 300 --image-size 32 --noise 0.5 \\
         --out data/sft_probe/goal4-300-32-n05          # and --suite object (DART demonstrations)
     python scripts/experiments/lora_sft.py --suites goal,object --steps 4000 --episodes 100 \\
-        --rl-env-steps 40000 --out bench/results/lora_sft.json
+        --out bench/results/lora_sft.json
+    python scripts/experiments/lora_sft.py --suites goal,object --rl-from runs/lora_sft --rl-env-steps 40000 \\
+        --out bench/results/lora_sft.json              # RL from those LoRA policies, merged in
 
 `--episodes` is per task (4 tasks a suite). Writes, per suite, `frozen_success`, `lora_success`, their
 95% intervals and episode counts (and `rl_*` after the RL phase), with every job's spec and result.
@@ -56,6 +58,15 @@ def specs(suite: str, args) -> list[dict]:
     return out
 
 
+def rl_specs(suite: str, args) -> list[dict]:
+    """RL from the LoRA tenant's SFT policy of an earlier run (its slot file: head and adapter),
+    evaluated before and after on the same seeds as the SFT run's evaluation."""
+    lora = specs(suite, argparse.Namespace(**{**vars(args), "rl_env_steps": args.rl_env_steps or 40_000}))[1]
+    init = Path(args.rl_from) / f"{suite}-lora" / "checkpoint.safetensors"
+    return [{**lora, "name": f"{suite}-lora-rl", "tenant": f"{suite}-lora-rl", "sft": None, "init_from": str(init),
+             "eval": {**lora["eval"], "before": True}}]
+
+
 def summary(result: dict, key: str) -> dict:
     r = result[key]
     episodes = sum(t["episodes"] for t in r["tasks"].values())
@@ -77,6 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-seed", type=int, default=10_000)
     ap.add_argument("--rl-env-steps", type=int, default=0, help="RL from the LoRA policy (0: none)")
     ap.add_argument("--rl-lr", type=float, default=3e-5)
+    ap.add_argument("--rl-from", default=None, metavar="WORKDIR",
+                    help="only RL, from the LoRA policies an earlier run left in WORKDIR (--rl-env-steps, default 40000)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workdir", default="runs/lora_sft")
@@ -90,7 +103,10 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--suites: unknown {unknown}; suites: {sorted(SUITES)}")
     for s in suites:
-        if not Path(args.dataset.format(suite=s)).is_dir():
+        if args.rl_from:
+            if not (Path(args.rl_from) / f"{s}-lora" / "checkpoint.safetensors").is_file():
+                ap.error(f"--rl-from: {args.rl_from}/{s}-lora/checkpoint.safetensors is missing")
+        elif not Path(args.dataset.format(suite=s)).is_dir():
             ap.error(f"--dataset: {args.dataset.format(suite=s)} is missing (make it with python -m vlamux.data.demos "
                      f"--suite {s} --episodes 300 --image-size 32 --noise 0.5 --out ...)")
     rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset="tiny", weights="tiny-tabletop"),
@@ -99,15 +115,18 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         master = MasterService(rt, args.workdir)
-        jobs = [master.submit(spec) for s in suites for spec in specs(s, args)]  # all at once, on one backbone
+        make = rl_specs if args.rl_from else specs
+        jobs = [master.submit(spec) for s in suites for spec in make(s, args)]  # all at once, on one backbone
         while any(j.thread.is_alive() for j in jobs):
-            jobs[0].thread.join(60)
+            next(j for j in jobs if j.thread.is_alive()).thread.join(60)  # a finished one would return at once
             print(f"[{time.time() - t0:6.0f}s] " + "; ".join(f"{j.spec.name}: {j.progress}" for j in jobs), flush=True)
         failed = [j for j in jobs if j.state != "succeeded"]
         for j in failed:
             print(f"{j.spec.name}: {j.state} {j.error}", file=sys.stderr)
         if failed:
             return 1
+        if args.rl_from:
+            return _write_rl(args, argv, suites, {j.spec.name: j for j in jobs}, time.time() - t0)
         out = {"what": "frozen-feature SFT vs LoRA SFT, same demonstrations and budget, run together on the "
                        "pretrained tiny backbone through the services; then RL from the LoRA policy (docs/RESULTS.md)",
                "command": "python scripts/experiments/lora_sft.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -134,6 +153,25 @@ def main(argv=None) -> int:
         print(f"wrote {args.out}")
     finally:
         rt.stop()
+    return 0
+
+
+def _write_rl(args, argv, suites: list[str], by_name: dict, wall_s: float) -> int:
+    """RL from the LoRA policies, merged into the SFT run's result file (`--out`) when it holds the suite."""
+    out = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {"suites": {}}
+    out["rl_command"] = "python scripts/experiments/lora_sft.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out["rl_wall_s"] = wall_s
+    for s in suites:
+        res = by_name[f"{s}-lora-rl"].result
+        start, end = summary(res, "before"), summary(res, "after")
+        row = out["suites"].setdefault(s, {})
+        row.update(rl_start_success=start["success"], rl_start_ci95=start["ci95"], rl_success=end["success"],
+                   rl_ci95=end["ci95"], rl_episodes=end["episodes"], rl_per_task=end["per_task"],
+                   paired_rl_vs_lora=res["paired"], rl_job=res)
+        print(f"{s}: RL from the LoRA policy {start['success']:.1%} -> {end['success']:.1%} "
+              f"[{end['ci95'][0]:.1%}, {end['ci95'][1]:.1%}] over {end['episodes']} episodes")
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    print(f"wrote {args.out}")
     return 0
 
 

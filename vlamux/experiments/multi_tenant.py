@@ -26,11 +26,22 @@ CAMERAS = {"observation.images.agentview": "agentview", "observation.images.wris
 @dataclasses.dataclass
 class Budget:
     image_size: int = 32
-    demos: int = 200  # expert episodes in the dataset
-    sft_steps: int = 1500  # the SFT tenant's
-    warm_start_steps: int = 600  # each RL tenant's behaviour cloning before RL
+    demos: int = 300  # expert episodes in the dataset
+    # DART (docs/RESULTS.md): the expert's executed motion gets noise of this std (of the action range)
+    # while the dataset keeps its own action, so the demonstrations show the way back from near misses
+    demo_noise: float = 0.5
+    sft_steps: int = 2000  # the SFT tenant's
+    warm_start_steps: int = 1500  # each RL tenant's behaviour cloning before RL
     rl_env_steps: int = 10000
-    eval_episodes: int = 30
+    eval_episodes: int = 50
+    # tenants whose module holds a LoRA adapter on the backbone beside the head (the others read its
+    # frozen features); rank and the adapted Linears of every block
+    lora_tenants: tuple[str, ...] = ("sft-flow", "rl-bins-ppo")
+    lora_rank: int = 16
+    lora_targets: tuple[str, ...] = ("qkv", "proj", "mlp.0", "mlp.2")
+    # the bins head's bins per action dimension: with LoRA, 64 cloned the task to 78% in 1000 steps, the
+    # default 256 to 60% in 2000 (50 episodes each; bench/results/bins_recipe.json)
+    n_bins: int = 64
     max_steps: int = 120
     batch_size: int = 64
     horizon: int = 8
@@ -40,7 +51,7 @@ class Budget:
     @classmethod
     def quick(cls) -> Budget:
         return cls(demos=8, sft_steps=12, warm_start_steps=6, rl_env_steps=192, eval_episodes=4, max_steps=16,
-                   batch_size=8)
+                   batch_size=8, lora_rank=4)
 
 
 def env_spec(b: Budget) -> dict:
@@ -48,10 +59,11 @@ def env_spec(b: Budget) -> dict:
 
 
 def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[dict]:
-    """`backbone`: a preset or a model directory (`run` is given the same)."""
-    """Four tenants, four heads: flow (SFT only), gaussian PPO, bins PPO, gaussian GRPO. The settings
-    are the ones measured to work on this suite (docs/RESULTS.md): cosine-scheduled SFT with warm-up,
-    then RL at lr 3e-5 with two passes over each segment (PPO fits its critic first)."""
+    """Four tenants, four heads: flow (SFT only), gaussian PPO, bins PPO, gaussian GRPO; those in
+    `b.lora_tenants` with a LoRA adapter too. The settings are the ones measured to work on this suite
+    (docs/RESULTS.md): cosine-scheduled SFT with warm-up, then RL at lr 3e-5 with two passes over each
+    segment (PPO fits its critic first). `backbone`: a preset, shipped weights or a model directory
+    (`run` is given the same)."""
     env = env_spec(b)
     ev = {"episodes": b.eval_episodes, "n_envs": 10 if b.eval_episodes >= 10 else 2, "env": env}
     sft = {"dataset": str(dataset), "camera_map": CAMERAS, "batch_size": b.batch_size, "lr": 1e-3,
@@ -62,16 +74,19 @@ def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[di
           "critic_warmup": 30}  # measured: PPO at lr 1e-4 x 4 passes undid SFT (docs/RESULTS.md)
     grpo_steps = -(-b.max_steps // b.n_action_steps)  # an episode's vectorised steps
 
-    def job(name, kind, head_kind, **extra):
+    adapter = {"kind": "lora", "rank": b.lora_rank, "alpha": 2.0 * b.lora_rank, "target_modules": list(b.lora_targets)}
+
+    def job(name, kind, head_kind, options=None, **extra):
+        h = {**head, "kind": head_kind, **({"adapter": adapter} if name in b.lora_tenants else {}),
+             **({"options": options} if options else {})}
         return {"name": name, "tenant": name, "kind": kind, "backbone": backbone_name(spec_from_arg(backbone)),
-                "head": {**head, "kind": head_kind}, "optimizer": {"lr": 1e-3}, "eval": ev,
-                "checkpoint_every": 200, **extra}
+                "head": h, "optimizer": {"lr": 1e-3}, "eval": ev, "checkpoint_every": 200, **extra}
 
     warm = {**sft, "steps": b.warm_start_steps, "warmup_steps": min(100, max(1, b.warm_start_steps // 10))}
     return [
         job("sft-flow", "sft", "flow", sft={**sft, "steps": b.sft_steps}),
         job("rl-gauss-ppo", "rl", "gaussian", sft=warm, rl=rl),
-        job("rl-bins-ppo", "rl", "bins", sft=warm, rl=rl),
+        job("rl-bins-ppo", "rl", "bins", sft=warm, rl=rl, options={"n_bins": b.n_bins}),
         job("rl-gauss-grpo", "rl", "gaussian", sft=warm,
             rl={**rl, "algorithm": "grpo", "group_size": 4, "segment_steps": grpo_steps}),
     ]
@@ -133,13 +148,14 @@ def _watch(jobs, on_tick, timeout_s: float) -> None:
 
 
 def ensure_demos(b: Budget, root: str | Path, progress=None) -> Path:
-    """The scripted demonstrations as a LeRobot dataset, generated once and reused."""
+    """The scripted (noisy-expert) demonstrations as a LeRobot dataset, generated once and reused."""
     from vlamux.data.demos import generate
 
     suffix = "" if b.demo_cameras == "video" else f"-{b.demo_cameras}"
+    suffix += f"-noise{b.demo_noise:g}" if b.demo_noise else ""
     root = Path(root) / f"tabletop-{TASK.replace('/', '-')}-{b.image_size}px-{b.demos}{suffix}"
     if not (root / "meta" / "info.json").exists():
         generate([TASK], b.demos, root, image_size=b.image_size, workers=2, progress=progress,
-                 camera_dtype=b.demo_cameras)
+                 camera_dtype=b.demo_cameras, noise=b.demo_noise)
     return root
 
