@@ -63,7 +63,8 @@ def rl_specs(suite: str, args) -> list[dict]:
     evaluated before and after on the same seeds as the SFT run's evaluation."""
     lora = specs(suite, argparse.Namespace(**{**vars(args), "rl_env_steps": args.rl_env_steps or 40_000}))[1]
     init = Path(args.rl_from) / f"{suite}-lora" / "checkpoint.safetensors"
-    return [{**lora, "name": f"{suite}-lora-rl", "tenant": f"{suite}-lora-rl", "sft": None, "init_from": str(init),
+    # the same tenant: a slot file belongs to its tenant
+    return [{**lora, "name": f"{suite}-lora-rl", "sft": None, "init_from": str(init),
              "eval": {**lora["eval"], "before": True}}]
 
 
