@@ -309,3 +309,43 @@ def test_both_paths_of_the_deltas_equal_serial(setup, monkeypatch, shapes):
     s2 = serial.execute([Sample(t, o, True) for t, o in obs.items()], grouped=False)
     for x, y in zip(s1, s2):
         assert close(x.output["actions"], y.output["actions"]), x.tenant
+
+
+@pytest.mark.parametrize("layout", ["mixed", "uniform"])
+def test_bf16_backbone_with_fp32_adapters_groups_within_the_bf16_bound(layout):
+    """The CUDA placement: a bf16 backbone, fp32 adapters and optimizer state. Grouped and serial agree
+    to the bf16 bound of tests/test_device.py (losses of 10 steps within 2%), on both delta paths."""
+    bb = build_backbone(BackboneSpec(preset="tiny", seed=0), dtype=torch.bfloat16)
+    if layout == "mixed":
+        profiles, specs = PROFILES, adapters_for("builtin")
+    else:  # one length, one rank: the batched path over views
+        profiles = {f"u{i}": (TaskProfile({"top": (32, 32)}, 4, 6, 3, "reach the block"), 2) for i in range(3)}
+        specs = {t: {"rank": 4, "alpha": 8.0} for t in profiles}
+
+    def build():
+        r = ModelRunner(bb)
+        for i, (t, a) in enumerate(specs.items()):
+            r.create_slot(t, HeadSpec("gaussian", 4, 6, 3, width=32, depth=1, adapter=a), OptimizerSpec(lr=3e-3),
+                          seed=60 + i)
+        return r
+
+    grouped, serial = build(), build()
+    for slot in grouped.slots.values():
+        if slot.adapter is not None:
+            assert all(p.dtype == torch.float32 for p in slot.adapter.parameters())
+    losses = {t: ([], []) for t in profiles}
+    for step in range(10):
+        reqs = [ForwardBackward(t, obs, act) for t, (obs, act) in data(step, profiles).items()]
+        for k, (r, g) in enumerate(((grouped, True), (serial, False))):
+            for res in r.execute(reqs, grouped=g):
+                losses[res.tenant][k].append(res.unwrap()["loss"])
+            for t in profiles:
+                r.optim_step(t).unwrap()
+    for t, (g, s) in losses.items():
+        rel = max(abs(x - y) / max(abs(y), 1e-3) for x, y in zip(g, s))
+        assert rel <= 0.02, (t, rel)
+    for t, a in specs.items():
+        if a is not None:  # the adapter trained, in fp32
+            b = grouped.slot(t).adapter.B
+            assert all(v.dtype == torch.float32 for v in b.values())
+            assert max(v.abs().max().item() for v in b.values()) > 0, t
