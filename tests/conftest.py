@@ -113,3 +113,15 @@ def light_latency_alone_and_flooded(predict_light, submit_flood, in_flight: int 
         th.join()
     print(f"light tenant median latency: alone {alone * 1e3:.1f} ms, next to a flooding tenant {flooded * 1e3:.1f} ms")
     return alone, flooded
+
+
+# bf16 (the CUDA default): the losses of a tenant's grouped and serial training runs agree to within
+# this relative gap (tests/test_device.py states the bound and its measurement)
+BF16_LOSS_REL = 0.02
+
+
+def assert_losses_agree(losses: dict, rel: float) -> None:
+    """`losses`: tenant -> (grouped, serial) per-step losses; each step within `rel` of the other."""
+    for t, (g, s) in losses.items():
+        gap = max(abs(x - y) / max(abs(y), 1e-3) for x, y in zip(g, s))
+        assert gap <= rel, (t, gap)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TENANTS, make_runner, tenant_batches
+from conftest import BF16_LOSS_REL, TENANTS, assert_losses_agree, make_runner, tenant_batches
 from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, OptimizerSpec, Sample, Slot, build_backbone
 from vlamux.model.device import Lane, resolve_device, resolve_dtype, to_device, to_numpy
 from vlamux.model.memory import MemoryPools, device_memory
@@ -224,7 +224,6 @@ def test_a_cpu_saved_slot_resumes_on_cuda_bit_identically_and_back(backbone, tmp
 # actions within 2^-6 of their scale (4 bf16 rounding steps of 2^-8), and the losses of 20 training
 # steps within 2% relative (measured on the CPU: 1 ulp on actions, 0.6% on losses).
 BF16_ACTIONS = 2.0 ** -6
-BF16_LOSS_REL = 0.02
 
 
 def _bf16_grouped_vs_serial(device: str):
@@ -246,9 +245,7 @@ def _bf16_grouped_vs_serial(device: str):
                 losses[r.tenant][k].append(r.unwrap()["loss"])
             for t in TENANTS:
                 runner.optim_step(t).unwrap()
-    for t, (g, s) in losses.items():
-        rel = max(abs(x - y) / max(abs(y), 1e-3) for x, y in zip(g, s))
-        assert rel <= BF16_LOSS_REL, (t, rel)
+    assert_losses_agree(losses, BF16_LOSS_REL)
     for slot in grouped.slots.values():  # ... and fp32 optimizer state
         assert all(v.dtype == torch.float32 for st in slot.optimizer.state.values() for k, v in st.items()
                    if k != "step")
