@@ -125,3 +125,17 @@ def assert_losses_agree(losses: dict, rel: float) -> None:
     for t, (g, s) in losses.items():
         gap = max(abs(x - y) / max(abs(y), 1e-3) for x, y in zip(g, s))
         assert gap <= rel, (t, gap)
+
+
+def train_grouped_and_serial(grouped, serial, requests_at, steps: int, tenants) -> dict:
+    """`steps` training steps of the same requests (`requests_at(step)`) on two runners, one grouped, one
+    serial; returns tenant -> (grouped, serial) losses, for `assert_losses_agree`."""
+    losses = {t: ([], []) for t in tenants}
+    for step in range(steps):
+        reqs = requests_at(step)
+        for k, (runner, grouped_mode) in enumerate(((grouped, True), (serial, False))):
+            for r in runner.execute(reqs, grouped=grouped_mode):
+                losses[r.tenant][k].append(r.unwrap()["loss"])
+            for t in tenants:
+                runner.optim_step(t).unwrap()
+    return losses

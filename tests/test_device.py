@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import BF16_LOSS_REL, TENANTS, assert_losses_agree, make_runner, tenant_batches
+from conftest import (BF16_LOSS_REL, TENANTS, assert_losses_agree, make_runner, tenant_batches,
+                      train_grouped_and_serial)
 from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, OptimizerSpec, Sample, Slot, build_backbone
 from vlamux.model.device import Lane, resolve_device, resolve_dtype, to_device, to_numpy
 from vlamux.model.memory import MemoryPools, device_memory
@@ -236,15 +237,9 @@ def _bf16_grouped_vs_serial(device: str):
     for a, b in zip(grouped.execute(reqs, grouped=True), serial.execute(reqs, grouped=False)):
         scale = max(1.0, b.output["actions"].abs().max().item())
         assert (a.output["actions"] - b.output["actions"]).abs().max().item() <= BF16_ACTIONS * scale, a.tenant
-    losses = {t: ([], []) for t in TENANTS}
-    for step in range(20):
-        data = tenant_batches(batch=2, seed=step)
-        reqs = [ForwardBackward(t, obs, act) for t, (obs, act) in data.items()]
-        for k, (runner, grouped_mode) in enumerate(((grouped, True), (serial, False))):
-            for r in runner.execute(reqs, grouped=grouped_mode):
-                losses[r.tenant][k].append(r.unwrap()["loss"])
-            for t in TENANTS:
-                runner.optim_step(t).unwrap()
+    losses = train_grouped_and_serial(
+        grouped, serial, lambda step: [ForwardBackward(t, obs, act) for t, (obs, act)
+                                       in tenant_batches(batch=2, seed=step).items()], 20, TENANTS)
     assert_losses_agree(losses, BF16_LOSS_REL)
     for slot in grouped.slots.values():  # ... and fp32 optimizer state
         assert all(v.dtype == torch.float32 for st in slot.optimizer.state.values() for k, v in st.items()

@@ -5,7 +5,7 @@ stays in its tenant, adapters save and resume, travel to inference between group
 import pytest
 import torch
 
-from conftest import BF16_LOSS_REL, assert_losses_agree, same_bytes, snapshot
+from conftest import BF16_LOSS_REL, assert_losses_agree, same_bytes, snapshot, train_grouped_and_serial
 from vlamux.errors import InvalidInputError, NonFiniteError
 from vlamux.model import (BackboneSpec, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, Slot,
                           build_backbone)
@@ -333,14 +333,9 @@ def test_bf16_backbone_with_fp32_adapters_groups_within_the_bf16_bound(layout):
     for slot in grouped.slots.values():
         if slot.adapter is not None:
             assert all(p.dtype == torch.float32 for p in slot.adapter.parameters())
-    losses = {t: ([], []) for t in profiles}
-    for step in range(10):
-        reqs = [ForwardBackward(t, obs, act) for t, (obs, act) in data(step, profiles).items()]
-        for k, (r, g) in enumerate(((grouped, True), (serial, False))):
-            for res in r.execute(reqs, grouped=g):
-                losses[res.tenant][k].append(res.unwrap()["loss"])
-            for t in profiles:
-                r.optim_step(t).unwrap()
+    losses = train_grouped_and_serial(
+        grouped, serial, lambda step: [ForwardBackward(t, obs, act) for t, (obs, act) in data(step, profiles).items()],
+        10, profiles)
     assert_losses_agree(losses, BF16_LOSS_REL)
     for t, a in specs.items():
         if a is not None:  # the adapter trained, in fp32
