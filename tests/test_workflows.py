@@ -279,15 +279,21 @@ def _rl_curve_with_neighbours(neighbours: int):
         for i in range(neighbours):
             rt.create_slot(f"n{i}", HeadSpec(**{**HEAD, "kind": "bins"}), OptimizerSpec(lr=1e-4), seed=i).result(30)
         assert rt.publisher.flush(10)
-        others = [threading.Thread(target=RLRun(rt, f"n{i}", RLConfig(env=ENV, env_steps=256, n_envs=2, sub_batches=1,
-                                                                      segment_steps=4, seed=50 + i)).run)
-                  for i in range(neighbours)]
+        # the neighbours sample until "me" is done, however the machine schedules the threads, so that
+        # its training and inference requests always have others' to group with
+        runs = [RLRun(rt, f"n{i}", RLConfig(env=ENV, env_steps=10**6, n_envs=2, sub_batches=1, segment_steps=4,
+                                            seed=50 + i)) for i in range(neighbours)]
+        others = [threading.Thread(target=r.run) for r in runs]
         for th in others:
             th.start()
-        stats = RLRun(rt, "me", RLConfig(env=ENV, mode="sync", env_steps=128, n_envs=2, sub_batches=1,
-                                         segment_steps=8, minibatch_rows=8, seed=3)).run()
-        for th in others:
-            th.join()
+        try:
+            stats = RLRun(rt, "me", RLConfig(env=ENV, mode="sync", env_steps=128, n_envs=2, sub_batches=1,
+                                             segment_steps=8, minibatch_rows=8, seed=3)).run()
+        finally:
+            for r in runs:
+                r.stop()
+            for th in others:
+                th.join(60)
         params = [p.detach().clone() for p in rt.training.runner.slot("me").head.parameters()]
         shared = (rt.training.accounting.usage("me").get("shared", 0),
                   sum(s.accounting.usage("me").get("shared", 0) for s in rt.replicas.values()))

@@ -344,6 +344,10 @@ class RLRun:
             raise self._errors[0]
         return self.stats
 
+    def stop(self) -> None:
+        """Sample no new segment; `run()` trains what is in flight and returns its stats."""
+        self._stop.set()
+
     def _shape(self, sampler: Sampler) -> SegmentShape:
         obs = sampler.obs = sampler._reset()
         probe = sampler._predict(obs)
@@ -354,7 +358,7 @@ class RLRun:
 
     def _budget_left(self) -> bool:
         with self.lock:
-            return self.stats.env_steps < self.cfg.env_steps and not self._errors
+            return self.stats.env_steps < self.cfg.env_steps and not self._errors and not self._stop.is_set()
 
     def _run_sync(self, samplers, learner, pool: SegmentPool) -> None:
         while self._budget_left():
@@ -381,7 +385,7 @@ class RLRun:
         waiting = threading.Semaphore(max(1, self.cfg.max_staleness))
 
         def sample_lane(sampler: Sampler) -> None:
-            while self._budget_left() and not self._stop.is_set():
+            while self._budget_left():
                 if not waiting.acquire(timeout=0.5):
                     continue
                 seg = pool.acquire(0.5)
