@@ -268,3 +268,38 @@ def test_failed_restart_is_retried_on_the_next_call():
 def test_reset_rejects_bad_indices(vec):
     with pytest.raises(ValueError, match="indices"):
         vec.reset(seed=0, indices=[7])
+
+
+def test_envs_sharing_a_process_render_their_own_scenes_after_model_swaps():
+    """Object-suite resets swap the MuJoCo model, so an env closes its renderer and makes another. With
+    several envs in one process, stepped in lockstep as a worker steps them, that must not corrupt the
+    others' renderers: every image equals the one the same env renders alone in the process."""
+    task, n, rounds, steps = "object/touch-green-cube", 4, 3, 3
+    actions = np.random.default_rng(0).uniform(-1, 1, (rounds, n, steps, 4)).astype(np.float32)
+
+    def frames_alone(i):
+        env = TabletopEnv(task, image_size=32)
+        out = []
+        for r in range(rounds):
+            out.append(env.reset(seed=100 + r * n + i)[0]["images"])
+            out += [env.step(actions[r, i, t])[0]["images"] for t in range(steps)]
+        env.close()
+        return out
+
+    expected = [frames_alone(i) for i in range(n)]
+    envs = [TabletopEnv(task, image_size=32) for _ in range(n)]
+    try:
+        got = [[] for _ in range(n)]
+        for r in range(rounds):
+            for i, env in enumerate(envs):
+                got[i].append(env.reset(seed=100 + r * n + i)[0]["images"])
+            for t in range(steps):
+                for i, env in enumerate(envs):
+                    got[i].append(env.step(actions[r, i, t])[0]["images"])
+        for i in range(n):
+            for f, (want, have) in enumerate(zip(expected[i], got[i])):
+                for cam in want:
+                    assert np.array_equal(want[cam], have[cam]), f"env {i}, frame {f}, {cam}: another scene"
+    finally:
+        for env in envs:
+            env.close()

@@ -29,7 +29,7 @@ from functools import lru_cache
 import gymnasium as gym
 import numpy as np
 
-from vlamux.envs.render import configure_gl
+from vlamux.envs.render import close_renderer, configure_gl
 
 configure_gl()
 import mujoco  # noqa: E402  (after the GL backend is chosen)
@@ -197,7 +197,7 @@ class MetaWorldEnv(gym.Env):
 
     def close_renderer(self) -> None:
         if self._renderer is not None:
-            self._renderer.close()
+            close_renderer(self._renderer)
             self._renderer = None
 
     # ---- gymnasium API --------------------------------------------------------------------------

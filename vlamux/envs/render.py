@@ -138,3 +138,20 @@ def _honour(backend: str) -> dict[str, str]:
         reason = f"MUJOCO_GL={backend} set by the user"
     log.info("headless rendering: MUJOCO_GL=%s (%s)", backend, reason)
     return {"backend": backend, "reason": reason}
+
+
+def close_renderer(renderer) -> None:
+    """Free a `mujoco.Renderer` without breaking the other renderers of this process.
+
+    mujoco's `Renderer.close()` frees its GL context first and its MjrContext after, so the MjrContext's
+    framebuffers and textures are deleted in whatever context is current then: with several envs in
+    one worker, another env's. That env then renders the wrong images (measured: the object suite,
+    whose resets swap models and so renderers, evaluated with 10 envs a worker showed other scenes
+    and scored at chance). Freeing the MjrContext with its own context current first avoids it.
+    """
+    gl, mjr = getattr(renderer, "_gl_context", None), getattr(renderer, "_mjr_context", None)
+    if gl is not None and mjr is not None:
+        gl.make_current()
+        mjr.free()
+        renderer._mjr_context = None
+    renderer.close()

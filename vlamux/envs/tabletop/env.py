@@ -5,7 +5,7 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 
-from vlamux.envs.render import configure_gl
+from vlamux.envs.render import close_renderer, configure_gl
 
 configure_gl()
 import mujoco  # noqa: E402  (after the GL backend is chosen)
@@ -67,7 +67,7 @@ class TabletopEnv(gym.Env):
 
     def close_renderer(self) -> None:
         if self._renderer is not None:
-            self._renderer.close()
+            close_renderer(self._renderer)
             self._renderer = None
 
     def _render_images(self) -> dict[str, np.ndarray]:
