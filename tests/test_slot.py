@@ -8,7 +8,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import TENANTS, same_bytes, snapshot
-from vlamux.errors import IncompatibleError, InvalidInputError
+from vlamux.errors import CorruptCheckpointError, IncompatibleError, InvalidInputError
 from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, NormStats, OptimizerSpec, Sample, Slot, canonicalize
 from vlamux.synthetic import make_batch
 from vlamux.utils.io import atomic_save_safetensors
@@ -103,6 +103,58 @@ def test_load_refuses_other_tenant_head_or_format(backbone, tmp_path):
     with pytest.raises(FileNotFoundError):
         mine.load_state(tmp_path / "missing.safetensors")
     assert same_bytes(before, snapshot(mine))  # refused loads change nothing
+
+
+def _poison(path, tensor: str, value: float) -> None:
+    """Overwrite the bytes of one float32 tensor in a safetensors file in place, as damage would."""
+    import json
+    import struct
+
+    raw = bytearray(path.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    start, end = header[tensor]["data_offsets"]
+    assert header[tensor]["dtype"] == "F32"
+    raw[8 + n + start:8 + n + end] = struct.pack("<f", value) * ((end - start) // 4)
+    path.write_bytes(bytes(raw))
+
+
+def test_damaged_checkpoints_are_refused_before_anything_changes(backbone, tmp_path):
+    """A checkpoint whose bytes changed since it was saved (NaN written into a weight, or any other
+    value), that is truncated, or that holds NaN although it hashes right, is refused with an error
+    that says which; the slot keeps its state."""
+    spec = TENANTS["acme"][0]
+    slot = Slot("acme", spec, backbone.meta)
+    good = tmp_path / "good.safetensors"
+    slot.save(good)
+    weight = next(k for k in slot.state_tensors()[0] if k.startswith("head.") and k.endswith("weight"))
+    before = snapshot(slot)
+
+    nan = tmp_path / "nan.safetensors"
+    nan.write_bytes(good.read_bytes())
+    _poison(nan, weight, float("nan"))
+    with pytest.raises(CorruptCheckpointError, match="sha256"):
+        slot.load_state(nan)
+    changed = tmp_path / "changed.safetensors"
+    changed.write_bytes(good.read_bytes())
+    _poison(changed, weight, 0.5)  # finite, but not what was saved
+    with pytest.raises(CorruptCheckpointError, match="sha256"):
+        slot.load_state(changed)
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        slot.load_state(cut)
+
+    # written non-finite (a diverged run saved by an earlier version, with no digest): still refused
+    tensors, meta = slot.state_tensors()
+    tensors[weight] = torch.full_like(tensors[weight], float("inf"))
+    legacy = tmp_path / "legacy.safetensors"
+    save_file(tensors, str(legacy), metadata=meta)
+    with pytest.raises(CorruptCheckpointError, match=f"{weight!r} holds NaN or infinite"):
+        slot.load_state(legacy)
+    assert same_bytes(before, snapshot(slot))
+    slot.load_state(good)  # the undamaged file still loads
+    assert same_bytes(before, snapshot(slot))
 
 
 # ---- versions and step preconditions --------------------------------------------------------------

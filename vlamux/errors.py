@@ -28,5 +28,10 @@ class IncompatibleError(VlamuxError):
     """A checkpoint or request does not fit the slot or backbone it was given to."""
 
 
+class CorruptCheckpointError(IncompatibleError):
+    """A checkpoint file is damaged: unreadable, truncated, altered since it was written, or holding
+    non-finite values. It is never loaded."""
+
+
 class UnknownBackboneError(VlamuxError, ValueError):
     """A request names a backbone the service does not hold; the message lists those it does."""

@@ -10,6 +10,8 @@ from the LoRA tenant's policy (head and adapter), evaluated again on the same se
         --out bench/results/lora_sft.json
     python scripts/experiments/lora_sft.py --suites goal,object --rl-from runs/lora_sft --rl-env-steps 40000 \\
         --out bench/results/lora_sft.json              # RL from those LoRA policies, merged in
+    python scripts/experiments/lora_sft.py --suites object --eval-from runs/lora_sft \
+        --out bench/results/lora_sft.json              # evaluate that run's policies again, merged in
 
 `--episodes` is per task (4 tasks a suite). Writes, per suite, `frozen_success`, `lora_success`, their
 95% intervals and episode counts (and `rl_*` after the RL phase), with every job's spec and result.
@@ -68,6 +70,16 @@ def rl_specs(suite: str, args) -> list[dict]:
              "eval": {**lora["eval"], "before": True}}]
 
 
+def eval_specs(suite: str, args) -> list[dict]:
+    """Evaluate the frozen and LoRA tenants' final SFT policies of an earlier run again (their slot
+    files), on the same seeded episodes as that run's evaluation."""
+    out = []
+    for spec in specs(suite, argparse.Namespace(**{**vars(args), "rl_env_steps": 0})):
+        init = Path(args.eval_from) / spec["name"] / "checkpoint.safetensors"
+        out.append({**spec, "kind": "eval", "name": f"{spec['name']}-eval", "sft": None, "init_from": str(init)})
+    return out
+
+
 def summary(result: dict, key: str) -> dict:
     r = result[key]
     episodes = sum(t["episodes"] for t in r["tasks"].values())
@@ -91,6 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rl-lr", type=float, default=3e-5)
     ap.add_argument("--rl-from", default=None, metavar="WORKDIR",
                     help="only RL, from the LoRA policies an earlier run left in WORKDIR (--rl-env-steps, default 40000)")
+    ap.add_argument("--eval-from", default=None, metavar="WORKDIR",
+                    help="only evaluate the frozen and LoRA SFT policies an earlier run left in WORKDIR")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--workdir", default="runs/lora_sft")
@@ -103,10 +117,14 @@ def main(argv=None) -> int:
     unknown = [s for s in suites if s not in SUITES]
     if unknown:
         ap.error(f"--suites: unknown {unknown}; suites: {sorted(SUITES)}")
+    if args.rl_from and args.eval_from:
+        ap.error("--rl-from and --eval-from: give one")
     for s in suites:
-        if args.rl_from:
-            if not (Path(args.rl_from) / f"{s}-lora" / "checkpoint.safetensors").is_file():
-                ap.error(f"--rl-from: {args.rl_from}/{s}-lora/checkpoint.safetensors is missing")
+        if args.rl_from or args.eval_from:
+            flag, workdir = ("--rl-from", args.rl_from) if args.rl_from else ("--eval-from", args.eval_from)
+            for tenant in ([f"{s}-lora"] if args.rl_from else [f"{s}-frozen", f"{s}-lora"]):
+                if not (Path(workdir) / tenant / "checkpoint.safetensors").is_file():
+                    ap.error(f"{flag}: {workdir}/{tenant}/checkpoint.safetensors is missing")
         elif not Path(args.dataset.format(suite=s)).is_dir():
             ap.error(f"--dataset: {args.dataset.format(suite=s)} is missing (make it with python -m vlamux.data.demos "
                      f"--suite {s} --episodes 300 --image-size 32 --noise 0.5 --out ...)")
@@ -116,7 +134,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     try:
         master = MasterService(rt, args.workdir)
-        make = rl_specs if args.rl_from else specs
+        make = rl_specs if args.rl_from else eval_specs if args.eval_from else specs
         jobs = [master.submit(spec) for s in suites for spec in make(s, args)]  # all at once, on one backbone
         while any(j.thread.is_alive() for j in jobs):
             next(j for j in jobs if j.thread.is_alive()).thread.join(60)  # a finished one would return at once
@@ -128,6 +146,8 @@ def main(argv=None) -> int:
             return 1
         if args.rl_from:
             return _write_rl(args, argv, suites, {j.spec.name: j for j in jobs}, time.time() - t0)
+        if args.eval_from:
+            return _write_eval(args, argv, suites, {j.spec.name: j for j in jobs}, time.time() - t0)
         out = {"what": "frozen-feature SFT vs LoRA SFT, same demonstrations and budget, run together on the "
                        "pretrained tiny backbone through the services; then RL from the LoRA policy (docs/RESULTS.md)",
                "command": "python scripts/experiments/lora_sft.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -154,6 +174,26 @@ def main(argv=None) -> int:
         print(f"wrote {args.out}")
     finally:
         rt.stop()
+    return 0
+
+
+def _write_eval(args, argv, suites: list[str], by_name: dict, wall_s: float) -> int:
+    """The SFT policies evaluated again, replacing the suite's frozen and LoRA figures in `--out`."""
+    out = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {"suites": {}}
+    command = "python scripts/experiments/lora_sft.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    for s in suites:
+        frozen, lora = by_name[f"{s}-frozen-eval"].result, by_name[f"{s}-lora-eval"].result
+        f, l_ = summary(frozen, "after"), summary(lora, "after")
+        row = out["suites"].setdefault(s, {})
+        row.update(frozen_success=f["success"], frozen_ci95=f["ci95"], frozen_episodes=f["episodes"],
+                   lora_success=l_["success"], lora_ci95=l_["ci95"], lora_episodes=l_["episodes"],
+                   frozen_per_task=f["per_task"], lora_per_task=l_["per_task"],
+                   paired_lora_vs_frozen=paired(frozen["after"], lora["after"]),
+                   evaluated_again={"command": command, "wall_s": wall_s, "jobs": {"frozen": frozen, "lora": lora}})
+        print(f"{s}: frozen {f['success']:.1%} [{f['ci95'][0]:.1%}, {f['ci95'][1]:.1%}], lora {l_['success']:.1%} "
+              f"[{l_['ci95'][0]:.1%}, {l_['ci95'][1]:.1%}] over {l_['episodes']} episodes (evaluated again)")
+    Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+    print(f"wrote {args.out}")
     return 0
 
 

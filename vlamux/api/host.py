@@ -14,6 +14,7 @@ import csv
 import hashlib
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -22,9 +23,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vlamux.api.metering import Meter, RateLimiter
-from vlamux.errors import InvalidInputError, VlamuxError
+from vlamux.errors import CorruptCheckpointError, InvalidInputError, VlamuxError
 from vlamux.jobs.master import MasterService
 from vlamux.jobs.spec import JobSpecError, load_spec
+from vlamux.model.slot import read_slot_file
 from vlamux.store import Store
 
 log = logging.getLogger(__name__)
@@ -347,12 +349,17 @@ class ServiceHost:
         key = slot_key(tenant_id, policy_id)
         version = self.runtime.training.version(key) if key in self.runtime.training.tenants() else None
         head = rec.spec.get("head") if isinstance(rec.spec, dict) else None
-        return {"id": rec.id, "source": "training_slot" if rec.kind == "slot" else "job", "name": rec.name,
+        view = {"id": rec.id, "source": "training_slot" if rec.kind == "slot" else "job", "name": rec.name,
                 "head": head, "policy_version": version, "created_at": rec.created_at}
+        if rec.kind == "slot" and rec.state == "failed":
+            view.update(state="failed", error=rec.error, policy_version=None)
+        return view
 
     def list_policies(self, tenant_id: str) -> list[dict]:
+        # a slot whose creation was refused never existed; one that had saved state and failed stays listed
         return [self.policy_view(tenant_id, r.id) for r in self.store.list_jobs(tenant_id)
-                if not (r.kind == "slot" and r.state == "failed")]
+                if not (r.kind == "slot" and r.state == "failed"
+                        and not self.store.list_checkpoints(tenant_id, policy_id=r.id))]
 
     def policy_versions(self, tenant_id: str, policy_id: str) -> dict:
         view = self.policy_view(tenant_id, policy_id)
@@ -396,7 +403,8 @@ class ServiceHost:
         return self.policy_view(tenant_id, rec.id)
 
     def _restore_slots(self) -> None:
-        """Training slots come back at their last saved state (what `save_state` promised)."""
+        """Training slots come back at their last saved state (what `save_state` promised), or, when
+        that state cannot be read back, as failed slots that say why: never at version 0 as if new."""
         from vlamux.jobs.spec import build
         from vlamux.model import HeadSpec, OptimizerSpec
 
@@ -407,18 +415,32 @@ class ServiceHost:
             try:
                 head = build(HeadSpec, rec.spec["head"], "head")
                 optim = build(OptimizerSpec, rec.spec["optimizer"], "optimizer")
-                self.runtime.create_slot(key, head, optim, rec.spec.get("seed", 0),
-                                         backbone=rec.spec.get("backbone")).result(60)
                 cps = self.store.list_checkpoints(rec.tenant_id, policy_id=rec.id)
                 if cps:
+                    self._verify(cps[0])
+                    read_slot_file(cps[0].path)  # readable, its digest and finite: checked before a slot exists
+                self.runtime.create_slot(key, head, optim, rec.spec.get("seed", 0),
+                                         backbone=rec.spec.get("backbone")).result(60)
+                if cps:
                     self.runtime.load_state(key, cps[0].path).result(60)
-            except Exception:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - one slot's damage must not keep the service down
                 log.exception("cannot restore training slot %s", rec.id)
+                self.store.set_job_state(rec.id, "failed", error=f"restore failed at start-up: {_scrub(e)}")
+
+    def _verify(self, cp) -> None:
+        """The checkpoint file still is the one the store recorded (sha256), before anything loads it."""
+        path = Path(cp.path)
+        if not path.is_file():
+            raise CorruptCheckpointError(f"checkpoint {cp.id}: its file is missing")
+        if _sha256(path) != cp.sha256:
+            raise CorruptCheckpointError(f"checkpoint {cp.id}: the file does not match the sha256 recorded when "
+                                         f"it was saved (altered or damaged since)")
 
     def _slot(self, tenant_id: str, policy_id: str) -> str:
         rec = self._policy(tenant_id, policy_id)
         if rec.kind != "slot":
             raise NotFound(f"no training slot {policy_id!r} (a job's policy is trained by its job)")
+        _usable(rec)
         return slot_key(tenant_id, policy_id)
 
     def forward_backward(self, tenant_id: str, policy_id: str, obs, actions, action_mask) -> dict:
@@ -457,10 +479,13 @@ class ServiceHost:
         cp = self.store.get_checkpoint(checkpoint_id, tenant_id) if isinstance(checkpoint_id, str) else None
         if cp is None or cp.policy_id != policy_id:
             raise NotFound(f"no checkpoint {checkpoint_id!r} of policy {policy_id!r}")
+        self._verify(cp)
         return self._track(tenant_id, "load_state", self.runtime.load_state(key, cp.path))
 
     def predict(self, tenant_id: str, policy_id: str, obs, deterministic: bool) -> Future:
-        self._policy(tenant_id, policy_id)
+        rec = self._policy(tenant_id, policy_id)
+        if rec.kind == "slot":
+            _usable(rec)
         return self.runtime.predict(slot_key(tenant_id, policy_id), obs, deterministic)
 
     # ---- futures --------------------------------------------------------------------------------
@@ -504,6 +529,16 @@ def _public_result(result: dict | None, tenant_id: str) -> dict | None:
     if not isinstance(result, dict):
         return result
     return {k: (tenant_id if k == "tenant" else v) for k, v in result.items()}
+
+
+def _usable(rec) -> None:
+    if rec.state == "failed":
+        raise Conflict(f"training slot {rec.id!r} failed and serves nothing: {rec.error}")
+
+
+def _scrub(e: BaseException) -> str:
+    """An error for a tenant to read: the server's file paths left out."""
+    return re.sub(r"(?:/[^\s/:;,'\"()]+)+/([^\s/:;,'\"()]+)", r"\1", f"{type(e).__name__}: {e}")
 
 
 def _sha256(path: Path) -> str:
