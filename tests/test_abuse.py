@@ -3,9 +3,11 @@ reproduced against `vlamux serve` started as a subprocess on loopback, and shown
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -38,8 +40,6 @@ def _batch(n=2, seed=0):
 
 def _nan_into_a_weight(path: Path) -> None:
     """Finding 7's damage: NaN bytes written over one float32 tensor of a safetensors file."""
-    import json
-
     raw = bytearray(path.read_bytes())
     n = struct.unpack("<Q", raw[:8])[0]
     header = json.loads(raw[8:8 + n])
@@ -96,3 +96,146 @@ def test_damaged_checkpoints_are_refused_and_an_unrestorable_slot_fails_visibly(
             acme.training_client(policy_id=tc.id).forward_backward(obs, actions)
     finally:
         stop(proc)
+
+
+# ---- findings 1 and 2: quotas that hold under parallel requests, and jobs inside them -------------
+
+ENV = {"task": "goal/touch-red-cube", "image_size": 32, "max_steps": 20}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from vlamux.api.server import stop
+    from vlamux.sdk import Client
+
+    root = tmp_path_factory.mktemp("abuse")
+    data_dir, port = root / "service", _port()
+    proc = _serve(data_dir, port, root / "server.log")
+    url = f"http://127.0.0.1:{port}"
+    admin = Client(url, (data_dir / "admin.key").read_text().strip())
+    try:
+        yield url, admin
+    finally:
+        stop(proc)
+
+
+def _tenant(admin, name: str, **quotas) -> dict:
+    _, key = admin.admin.create_tenant(name, {"requests_per_s": 10000, **quotas})
+    return {"Authorization": f"Bearer {key}"}
+
+
+def _parallel(n: int, call) -> list:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(lambda i: call(i), range(n)))
+
+
+def _rl_job(name: str, **rl) -> dict:
+    """An RL job that runs until cancelled (its budget is far beyond the test)."""
+    return {"name": name, "kind": "rl", "head": HEAD, "rl": {"env": ENV, "env_steps": 10**8, "n_envs": 1,
+                                                             "sub_batches": 1, "segment_steps": 4, **rl}}
+
+
+def _end_jobs(url: str, headers: dict, ids: list[str]) -> None:
+    import time
+
+    import httpx
+
+    for job_id in ids:
+        httpx.post(f"{url}/v1/jobs/{job_id}/cancel", headers=headers, timeout=30)
+    end = time.monotonic() + 120
+    while ids and time.monotonic() < end:
+        states = [httpx.get(f"{url}/v1/jobs/{j}", headers=headers, timeout=30).json()["job"]["state"] for j in ids]
+        if all(s in ("cancelled", "failed", "succeeded") for s in states):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"jobs {ids} did not end after cancel")
+
+
+def test_parallel_session_opens_never_exceed_the_quota(served):
+    """Finding 1: 16 parallel opens against max_env_sessions=8 all got 201."""
+    import httpx
+
+    url, admin = served
+    h = _tenant(admin, "sessions-burst", max_env_sessions=8)
+    answers = _parallel(16, lambda i: httpx.post(f"{url}/v1/sessions", headers=h, timeout=120,
+                                                 json={"env": ENV, "n_envs": 1}))
+    codes = sorted(r.status_code for r in answers)
+    assert codes.count(201) == 8 and codes.count(429) == 8, codes
+    refused = next(r for r in answers if r.status_code == 429)
+    assert "max_env_sessions is 8" in refused.json()["error"]["message"] and refused.headers["retry-after"]
+    listed = httpx.get(f"{url}/v1/sessions", headers=h, timeout=30).json()["sessions"]
+    assert len(listed) == 8
+    for s in listed:
+        assert httpx.delete(f"{url}/v1/sessions/{s['id']}", headers=h, timeout=60).status_code == 204
+    again = httpx.post(f"{url}/v1/sessions", headers=h, timeout=120, json={"env": ENV, "n_envs": 1})
+    assert again.status_code == 201, again.text  # closing gave the quota back
+    httpx.delete(f"{url}/v1/sessions/{again.json()['session']['id']}", headers=h, timeout=60)
+
+
+def test_parallel_job_submissions_never_exceed_the_quota(served):
+    """Finding 1: 12 parallel POST /v1/jobs with max_concurrent_jobs=4 all ran."""
+    import httpx
+
+    url, admin = served
+    h = _tenant(admin, "jobs-burst", max_concurrent_jobs=4)
+    answers = _parallel(12, lambda i: httpx.post(f"{url}/v1/jobs", headers=h, timeout=120, json=_rl_job(f"j{i}")))
+    accepted = [r.json()["job"]["id"] for r in answers if r.status_code in (200, 201, 202)]
+    try:
+        assert len(accepted) == 4 and sorted({r.status_code for r in answers})[-1] == 429, \
+            [(r.status_code, r.text[:200]) for r in answers]
+        jobs = httpx.get(f"{url}/v1/jobs", headers=h, timeout=30).json()["jobs"]
+        assert sorted(j["id"] for j in jobs) == sorted(accepted)  # a refused job leaves no record behind
+    finally:
+        _end_jobs(url, h, accepted)
+    later = httpx.post(f"{url}/v1/jobs", headers=h, timeout=120, json=_rl_job("after"))
+    assert later.status_code in (200, 201, 202), later.text  # ended jobs gave their share back
+    _end_jobs(url, h, [later.json()["job"]["id"]])
+
+
+def test_a_jobs_simulator_processes_count_against_the_tenants_quota(served):
+    """Finding 2: an RL job with 8 sub-batches x 8 workers started 32 processes outside every quota."""
+    import httpx
+
+    url, admin = served
+    h = _tenant(admin, "job-processes", max_env_processes=2)
+    job = httpx.post(f"{url}/v1/jobs", headers=h, timeout=120, json=_rl_job("two", sub_batches=2))
+    assert job.status_code in (200, 201, 202), job.text
+    try:
+        r = httpx.post(f"{url}/v1/sessions", headers=h, timeout=120, json={"env": ENV, "n_envs": 1})
+        assert r.status_code == 429 and "simulator processes" in r.json()["error"]["message"], r.text
+    finally:
+        _end_jobs(url, h, [job.json()["job"]["id"]])
+    r = httpx.post(f"{url}/v1/sessions", headers=h, timeout=120, json={"env": ENV, "n_envs": 1})
+    assert r.status_code == 201, r.text
+    httpx.delete(f"{url}/v1/sessions/{r.json()['session']['id']}", headers=h, timeout=60)
+
+
+@pytest.mark.parametrize("rl, eval_, field", [
+    ({"n_envs": 8, "sub_batches": 4}, None, "rl.n_envs"),                      # 32 sub-envs > max_envs 16
+    ({"n_envs": 8, "env_workers": 8, "sub_batches": 2}, None, "rl.env_workers"),  # 16 processes > 4
+    ({"sub_batches": 9}, None, "rl.sub_batches"),                              # 9 sessions > 8
+    ({"env_workers": 10**6}, None, "rl.env_workers"),                          # out of range
+    ({"env": {**ENV, "image_size": -5}}, None, "rl.env.image_size"),
+    ({"env": {**ENV, "task": "goal/fly-to-the-moon"}}, None, "rl.env.task"),
+    ({"env": {**ENV, "backend": "nope"}}, None, "rl.env.backend"),
+    ({"tasks": ["goal/touch-red-cube", "nope"], "sub_batches": 2}, None, "rl.tasks[1]"),
+    ({"gamma": float("inf")}, None, "rl.gamma"),
+    ({}, {"n_envs": 100, "episodes": 100}, "eval.n_envs"),                    # 100 sub-envs > max_envs 16
+    ({}, {"n_envs": 4, "episodes": 0}, "eval.episodes"),
+])
+def test_job_specs_are_bounded_by_the_quota_at_submission(served, rl, eval_, field):
+    """Finding 2: resource fields had no upper bound, and env specs inside jobs skipped the checks
+    /v1/sessions applies (image_size -5 accepted, failing later). Now: 422 naming the field, no job."""
+    import httpx
+
+    url, admin = served
+    h = _tenant(admin, f"bounds-{uuid.uuid4().hex[:8]}", max_envs=16, max_env_processes=4, max_env_sessions=8)
+    spec = _rl_job("bounded", **rl)
+    if eval_ is not None:
+        spec["eval"] = {**eval_, "before": False}
+    body = json.dumps(spec, allow_nan=True)
+    r = httpx.post(f"{url}/v1/jobs", headers={**h, "Content-Type": "application/json"}, content=body, timeout=60)
+    assert r.status_code == 422 and r.json()["error"]["field"] == field, (field, r.status_code, r.text[:300])
+    assert httpx.get(f"{url}/v1/jobs", headers=h, timeout=30).json()["jobs"] == []

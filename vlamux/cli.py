@@ -274,7 +274,8 @@ def _admin(ctx):
 
 
 def _quota_options(f):
-    for name, typ in (("--requests-per-s", float), ("--max-env-sessions", int), ("--max-concurrent-jobs", int)):
+    for name, typ in (("--requests-per-s", float), ("--max-env-sessions", int), ("--max-concurrent-jobs", int),
+                      ("--max-envs", int), ("--max-env-processes", int), ("--max-training-slots", int)):
         f = click.option(name, type=typ, default=None)(f)
     return f
 
@@ -288,7 +289,8 @@ def _quotas(**kw) -> dict:
 def tenants_list(ctx) -> None:
     rows = [dict(t, created=_when(t.get("created_at")), **{k: v for k, v in (t.get("quotas") or {}).items()})
             for t in _admin(ctx).list_tenants()]
-    _table(rows, ["id", "name", "disabled", "created", "max_concurrent_jobs", "max_env_sessions", "requests_per_s"])
+    _table(rows, ["id", "name", "disabled", "created", "max_concurrent_jobs", "max_training_slots", "max_env_sessions",
+                  "max_envs", "max_env_processes", "requests_per_s"])
 
 
 @tenants.command("create")

@@ -344,7 +344,7 @@ def create_app(host: ServiceHost) -> FastAPI:
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     def close_session(session_id: str, t: str = Depends(tenant)):
-        host.runtime.environment.close_session(t, session_id)
+        host.close_session(t, session_id)
         return Response(status_code=204)
 
     # ---- usage -----------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from vlamux.api.metering import Meter, RateLimiter
+from vlamux.api.quotas import WHAT, Ledger, Need, QuotaRefused, session_processes
 from vlamux.errors import CorruptCheckpointError, InvalidInputError, VlamuxError
 from vlamux.jobs.master import MasterService
 from vlamux.jobs.spec import JobSpecError, load_spec
@@ -31,7 +32,8 @@ from vlamux.store import Store
 
 log = logging.getLogger(__name__)
 
-DEFAULT_QUOTAS = {"max_concurrent_jobs": 4, "max_env_sessions": 8, "requests_per_s": 50.0}
+DEFAULT_QUOTAS = {"max_concurrent_jobs": 4, "max_training_slots": 8, "max_env_sessions": 8, "max_envs": 64,
+                  "max_env_processes": 16, "requests_per_s": 50.0}
 FUTURE_TTL_S = 600.0  # a finished future's result is kept this long for the client to read
 
 
@@ -67,6 +69,8 @@ class ServiceConfig:
     meter_every_s: float = 2.0
     default_quotas: dict = field(default_factory=lambda: dict(DEFAULT_QUOTAS))
     env_workers: int | None = None  # simulator processes per session (None: the service's default)
+    # simulator processes of all tenants together (None: 8 per CPU); past it opens and jobs are refused
+    max_env_processes_total: int | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,8 @@ class ServiceHost:
         self.master: MasterService | None = None
         self.meter: Meter | None = None
         self.limiter = RateLimiter()
+        cap = self.config.max_env_processes_total
+        self.ledger = Ledger({"processes": cap if cap is not None else 8 * (os.cpu_count() or 1)})
         self._futures: dict[str, _Future] = {}
         self._own_ray = False
         self._lock = threading.Lock()
@@ -198,20 +204,29 @@ class ServiceHost:
     def submit_job(self, tenant_id: str, spec: dict) -> dict:
         if not isinstance(spec, dict):
             raise JobSpecError("spec: expected a JSON object")
-        running = self.store.count_jobs(tenant_id, ("queued", "running"))
-        limit = int(self.quotas(tenant_id)["max_concurrent_jobs"])
-        if running >= limit:
-            raise QuotaExceeded(f"quota: {running} jobs running, max_concurrent_jobs is {limit}", retry_after_s=30.0)
         job_id = uuid.uuid4().hex[:12]
         spec = self._compile(tenant_id, job_id, spec)
-        workdir = self.data_dir / "tenants" / tenant_id / "jobs" / job_id
-        rec = self.store.create_job(tenant_id, spec.name, spec.kind, spec.to_dict(), str(workdir), job_id=job_id)
+        need = job_need(spec, self.quotas(tenant_id))
+        self._reserve(tenant_id, f"job:{job_id}", need, retry_after_s=30.0)
+        try:
+            workdir = self.data_dir / "tenants" / tenant_id / "jobs" / job_id
+            rec = self.store.create_job(tenant_id, spec.name, spec.kind, spec.to_dict(), str(workdir), job_id=job_id)
+        except BaseException:
+            self.ledger.release(tenant_id, f"job:{job_id}")
+            raise
         try:
             self._start_job(rec.id, tenant_id, spec, workdir)
         except Exception as e:  # a refused job is not left "queued" against the tenant's quota
+            self.ledger.release(tenant_id, f"job:{job_id}")
             self.store.set_job_state(rec.id, "failed", error=f"{type(e).__name__}: {e}")
             raise
         return self.job_view(tenant_id, rec.id)
+
+    def _reserve(self, tenant_id: str, holder: str, need: Need, retry_after_s: float, force: bool = False) -> None:
+        try:
+            self.ledger.reserve(tenant_id, holder, need, self.quotas(tenant_id), force=force)
+        except QuotaRefused as e:
+            raise QuotaExceeded(str(e), retry_after_s=retry_after_s) from None
 
     def _compile(self, tenant_id: str, job_id: str, raw: dict) -> object:
         """The tenant's spec, made safe to run: its slot key, and only paths inside the service."""
@@ -228,7 +243,9 @@ class ServiceHost:
             sft = dict(sft)
             sft["dataset"] = str(self.dataset_path(sft["dataset"], "sft.dataset"))
             raw["sft"] = sft
-        return load_spec(raw)
+        spec = load_spec(raw)
+        _check_envs(spec)
+        return spec
 
     def dataset_path(self, name, field_name: str) -> Path:
         root = (self.data_dir / "datasets").resolve()
@@ -248,6 +265,8 @@ class ServiceHost:
             if kind == "state":
                 if detail["state"] == "queued":  # the store logged it when the job was created
                     return
+                if detail["state"] in ("succeeded", "failed", "cancelled"):
+                    self.ledger.release(tenant_id, f"job:{job_id}")
                 result = detail.get("result") if detail["state"] == "succeeded" else None
                 self.store.set_job_state(job_id, detail["state"], error=detail.get("error"),
                                          result=_finite(_jsonable(result)) if result is not None else None)
@@ -266,6 +285,8 @@ class ServiceHost:
             try:
                 spec = load_spec(rec.spec)
                 log.info("resuming job %s (%s) of tenant %s", rec.id, rec.name, rec.tenant_id)
+                # admitted before the restart: it holds its share again, whatever the quotas say now
+                self._reserve(rec.tenant_id, f"job:{rec.id}", job_need(spec, None), 0.0, force=True)
                 self.store.set_job_state(rec.id, "queued", detail="resumed after a restart")
                 self._start_job(rec.id, rec.tenant_id, spec, Path(rec.workdir))
             except Exception as e:  # noqa: BLE001 - one bad record must not keep the service down
@@ -389,11 +410,17 @@ class ServiceHost:
         policy_id = uuid.uuid4().hex[:12]
         workdir = self.data_dir / "tenants" / tenant_id / "slots" / policy_id
         spec = {"head": asdict(head), "optimizer": asdict(optim), "seed": seed, "backbone": backbone}
-        rec = self.store.create_job(tenant_id, body.get("name") or f"slot-{policy_id}", "slot", spec, str(workdir),
-                                    job_id=policy_id)
+        self._reserve(tenant_id, f"slot:{policy_id}", Need(slots=1), retry_after_s=60.0)
+        try:
+            rec = self.store.create_job(tenant_id, body.get("name") or f"slot-{policy_id}", "slot", spec,
+                                        str(workdir), job_id=policy_id)
+        except BaseException:
+            self.ledger.release(tenant_id, f"slot:{policy_id}")
+            raise
         try:
             self.runtime.create_slot(slot_key(tenant_id, policy_id), head, optim, seed, backbone=backbone).result(60)
         except Exception as e:
+            self.ledger.release(tenant_id, f"slot:{policy_id}")
             self.store.set_job_state(rec.id, "failed", error=f"{type(e).__name__}: {e}")
             raise
         self.store.set_job_state(rec.id, "running")
@@ -412,6 +439,7 @@ class ServiceHost:
             if rec.kind != "slot":
                 continue
             key = slot_key(rec.tenant_id, rec.id)
+            self._reserve(rec.tenant_id, f"slot:{rec.id}", Need(slots=1), 0.0, force=True)  # failed or not: it exists
             try:
                 head = build(HeadSpec, rec.spec["head"], "head")
                 optim = build(OptimizerSpec, rec.spec["optimizer"], "optimizer")
@@ -517,11 +545,64 @@ class ServiceHost:
     # ---- environment sessions -------------------------------------------------------------------
     def open_session(self, tenant_id: str, env: dict, n_envs: int, seed: int | None = None) -> dict:
         env_svc = self.runtime.environment
-        limit = int(self.quotas(tenant_id)["max_env_sessions"])
-        if len(env_svc.list_sessions(tenant_id)) >= limit:
-            raise QuotaExceeded(f"quota: max_env_sessions is {limit}; close a session first", retry_after_s=5.0)
-        sid = env_svc.open_session(tenant_id, env, n_envs, seed=seed, n_workers=self.config.env_workers)
+        # sessions the Environment Service closed on its own (idle, lost workers) hold nothing any more
+        self.ledger.keep_only(tenant_id, "session:", {s["session_id"] for s in env_svc.list_sessions(tenant_id)})
+        pending = f"opening:{uuid.uuid4().hex}"
+        need = Need(sessions=1, envs=n_envs, processes=session_processes(n_envs, self.config.env_workers))
+        self._reserve(tenant_id, pending, need, retry_after_s=5.0)
+        try:
+            sid = env_svc.open_session(tenant_id, env, n_envs, seed=seed, n_workers=self.config.env_workers)
+        except BaseException:
+            self.ledger.release(tenant_id, pending)
+            raise
+        self.ledger.rename(tenant_id, pending, f"session:{sid}")
         return env_svc.session_info(tenant_id, sid)
+
+    def close_session(self, tenant_id: str, session_id: str) -> None:
+        self.runtime.environment.close_session(tenant_id, session_id)
+        self.ledger.release(tenant_id, f"session:{session_id}")
+
+
+def _check_envs(spec) -> None:
+    """Every env a job will open, checked at submission as far as it can be without a simulator."""
+    from vlamux.envs import BACKENDS, check_task
+
+    for where, section in (("rl", spec.rl), ("eval", spec.eval)):
+        if section is None:
+            continue
+        env = section.env or spec.env
+        if env is None:
+            raise JobSpecError(f"{where}.env: an {spec.kind} job's evaluation needs an env spec")
+        if env.backend not in BACKENDS:
+            raise JobSpecError(f"{where}.env.backend: {check_task(env.backend, env.task)}")
+        named = [(f"{where}.env.task", env.task), *((f"{where}.tasks[{i}]", t) for i, t in enumerate(section.tasks))]
+        for field_, task in named:
+            why = check_task(env.backend, task)
+            if why is not None:
+                raise JobSpecError(f"{field_}: {why}")
+
+
+def job_need(spec, quotas: dict | None) -> Need:
+    """What a job holds at its peak: its RL sub-batches' sessions, envs and worker processes, or its
+    evaluation's (one session at a time, one worker), whichever is more, and one job. With `quotas`,
+    a job that could never fit them is a spec error naming the field (not a wait for quota)."""
+    rl = ev = Need()
+    if spec.rl is not None:
+        r = spec.rl
+        rl = Need(sessions=r.sub_batches, envs=r.n_envs * r.sub_batches,
+                  processes=r.sub_batches * min(r.env_workers, r.n_envs))
+    if spec.eval is not None:
+        ev = Need(sessions=1, envs=min(spec.eval.n_envs, spec.eval.episodes), processes=1)
+    need = Need(jobs=1).peak(rl).peak(ev)
+    for resource, quota, rl_field, ev_field in (("sessions", "max_env_sessions", "rl.sub_batches", "eval.n_envs"),
+                                                ("envs", "max_envs", "rl.n_envs", "eval.n_envs"),
+                                                ("processes", "max_env_processes", "rl.env_workers", "eval.n_envs")):
+        limit = (quotas or {}).get(quota)
+        if limit is not None and getattr(need, resource) > int(limit):
+            where = rl_field if getattr(rl, resource) > int(limit) else ev_field
+            raise JobSpecError(f"{where}: the job needs {getattr(need, resource)} {WHAT[resource]} at once, more "
+                               f"than the tenant's {quota} of {limit}")
+    return need
 
 
 def _public_result(result: dict | None, tenant_id: str) -> dict | None:

@@ -22,7 +22,10 @@ class _Body(BaseModel):
 
 class QuotasIn(_Body):
     max_concurrent_jobs: int | None = Field(default=None, ge=0, le=1000)
+    max_training_slots: int | None = Field(default=None, ge=0, le=1000)
     max_env_sessions: int | None = Field(default=None, ge=0, le=1000)
+    max_envs: int | None = Field(default=None, ge=0, le=100000)
+    max_env_processes: int | None = Field(default=None, ge=0, le=10000)
     requests_per_s: float | None = Field(default=None, gt=0, le=100000)
 
 
@@ -249,10 +252,12 @@ def check_env(env, where: str = "env") -> None:
     for k in ("backend", "task"):
         if k in env and (not isinstance(env[k], str) or not env[k]):
             raise invalid(f"{where}.{k}", f"expected a name, got {env[k]!r}")
-    for k, hi in (("image_size", 1024), ("max_steps", 10**6), ("n_action_steps", 1024)):
+    from vlamux.jobs.spec import RANGES
+
+    for k, (lo, hi) in RANGES["EnvSpec"].items():
         v = env.get(k)
-        if k in env and (isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= hi):
-            raise invalid(f"{where}.{k}", f"must be an integer in [1, {hi}], got {v!r}")
+        if k in env and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+            raise invalid(f"{where}.{k}", f"must be an integer in [{lo}, {hi}], got {v!r}")
     cams = env.get("cameras")
     if "cameras" in env and (not isinstance(cams, list) or not 1 <= len(cams) <= 16
                              or not all(isinstance(c, str) and c for c in cams)):

@@ -16,6 +16,19 @@ BACKENDS = {
 }
 
 
+def check_task(backend: str, task: str) -> str | None:
+    """Why (backend, task) cannot be simulated, found without starting a simulator; None if nothing
+    is known to be wrong (backends other than the built-in one name their tasks only when built)."""
+    if backend not in BACKENDS:
+        return f"unknown backend {backend!r}; available: {sorted(BACKENDS)}"
+    if backend == "tabletop":
+        from vlamux.envs.tabletop.tasks import TASKS
+
+        if task not in TASKS:
+            return f"unknown tabletop task {task!r}; tasks: {sorted(TASKS)}"
+    return None
+
+
 def make_env(spec: EnvSpec):
     """A single gymnasium env for `spec`, in this process (workers call this; callers use VectorEnv)."""
     if spec.backend not in BACKENDS:
@@ -24,4 +37,4 @@ def make_env(spec: EnvSpec):
     return getattr(importlib.import_module(module), factory)(spec)
 
 
-__all__ = ["ActionSpace", "BACKENDS", "EnvError", "EnvSpec", "EnvTimeoutError", "EnvWorkerCrashed", "make_env"]
+__all__ = ["ActionSpace", "BACKENDS", "EnvError", "check_task", "EnvSpec", "EnvTimeoutError", "EnvWorkerCrashed", "make_env"]

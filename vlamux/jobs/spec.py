@@ -35,6 +35,32 @@ class JobSpecError(InvalidInputError):
     pass
 
 
+_SEED = (0, 2**63 - 1)
+_TIMEOUT = (1e-3, 3600.0)
+_LR = (1e-12, 10.0)
+# The range of every numeric field of a spec, [lo, hi]: a value outside (or NaN) is refused at
+# submission, naming the field, before it can reserve resources or fail half-way through a job.
+RANGES: dict[str, dict[str, tuple[float, float]]] = {
+    "EnvSpec": {"image_size": (1, 1024), "max_steps": (1, 10**6), "n_action_steps": (1, 1024)},
+    "RLConfig": {"env_steps": (1, 10**9), "n_envs": (1, 1024), "sub_batches": (1, 64), "env_workers": (1, 64),
+                 "segment_steps": (1, 10**4), "group_size": (1, 1024), "gamma": (0.0, 1.0), "lam": (0.0, 1.0),
+                 "clip_eps": (1e-6, 10.0), "max_is_weight": (1.0, 1e6), "value_coef": (0.0, 1e3),
+                 "entropy_coef": (0.0, 10.0), "epochs": (1, 100), "critic_warmup": (0, 10**6),
+                 "minibatch_rows": (1, 10**5), "max_staleness": (0, 10**3), "seed": _SEED, "timeout_s": _TIMEOUT,
+                 "lr": _LR},
+    "SFTConfig": {"steps": (1, 10**8), "batch_size": (1, 65536), "grad_accum": (1, 1024), "lr": _LR,
+                  "warmup_steps": (0, 10**8), "seed": _SEED, "timeout_s": _TIMEOUT},
+    "EvalSpec": {"episodes": (1, 10**5), "n_envs": (1, 1024), "seed": _SEED},
+    "JobSpec": {"checkpoint_every": (1, 10**9), "seed": _SEED},
+}
+
+
+def check_range(cls_name: str, name: str, value, where: str) -> None:
+    lo, hi = RANGES.get(cls_name, {}).get(name, (None, None))
+    if lo is not None and value is not None and not lo <= value <= hi:  # NaN fails both comparisons
+        raise JobSpecError(f"{where}: must be in [{lo:g}, {hi:g}], got {value!r}")
+
+
 @dataclass
 class EvalSpec:
     tasks: list = field(default_factory=list)  # default: the job's own env task
@@ -123,6 +149,8 @@ def build(cls, data, where: str):
     if missing:
         raise JobSpecError(f"{_join(where, missing[0])}: required")
     kwargs = {name: _value(hints[name], value, _join(where, name)) for name, value in data.items()}
+    for name, value in kwargs.items():
+        check_range(cls.__name__, name, value, _join(where, name))
     try:
         return cls(**kwargs)
     except JobSpecError:

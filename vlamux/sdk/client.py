@@ -171,7 +171,8 @@ class AdminAPI:
         return self._http.post(f"/v1/tenants/{tenant_id}/enable")["tenant"]
 
     def set_quotas(self, tenant_id: str, **quotas: float) -> dict:
-        """Change some of ``max_concurrent_jobs``, ``max_env_sessions``, ``requests_per_s``."""
+        """Change some of ``max_concurrent_jobs``, ``max_training_slots``, ``max_env_sessions``, ``max_envs`` (sub-envs over the
+        tenant's sessions and jobs), ``max_env_processes`` (simulator processes), ``requests_per_s``."""
         return self._http.put(f"/v1/tenants/{tenant_id}/quotas", json=quotas)["tenant"]
 
 
