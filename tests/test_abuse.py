@@ -239,3 +239,60 @@ def test_job_specs_are_bounded_by_the_quota_at_submission(served, rl, eval_, fie
     r = httpx.post(f"{url}/v1/jobs", headers={**h, "Content-Type": "application/json"}, content=body, timeout=60)
     assert r.status_code == 422 and r.json()["error"]["field"] == field, (field, r.status_code, r.text[:300])
     assert httpx.get(f"{url}/v1/jobs", headers=h, timeout=30).json()["jobs"] == []
+
+
+# ---- finding 6: the gym backend imports nothing a tenant names --------------------------------------
+
+def test_gym_backend_takes_only_allowlisted_ids_and_imports_nothing_else(tmp_path):
+    """Finding 6: {"backend": "gym", "task": "this:CartPole-v1"} imported a module of the tenant's
+    choosing in a worker, and env_kwargs {xml_file: PATH} told whether a path exists. Now the operator
+    allows ids (and their env_kwargs) with --gym-env; anything else is a 422 naming the field, before
+    any simulator starts, and the module a tenant names is never imported."""
+    import httpx
+
+    from vlamux.api.server import spawn, stop
+    from vlamux.sdk import Client
+
+    marker_dir = tmp_path / "mods"
+    marker_dir.mkdir()
+    imported = tmp_path / "imported.txt"
+    (marker_dir / "vlamux_abuse_marker.py").write_text(f"open({str(imported)!r}, 'w').write('imported')\n")
+    data_dir, port = tmp_path / "service", _port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{marker_dir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = spawn(data_dir, port, log=(tmp_path / "server.log").open("a"), env=env,
+                 extra_args=["--gym-env", "CartPole-v1"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        admin = Client(url, (data_dir / "admin.key").read_text().strip())
+        h = _tenant(admin, "gym-user")
+        gym = {"backend": "gym", "image_size": 32, "cameras": ["agentview"],
+               "options": {"key_map": {"images": {"agentview": "render"}, "state": ["obs"]}, "instruction": "balance"}}
+        for task, options, field in (
+                ("vlamux_abuse_marker:Anything-v0", {}, "env.task"),
+                ("this:CartPole-v1", {}, "env.task"),
+                ("CartPole-v1", {"env_kwargs": {"xml_file": "/etc/passwd"}}, "env.options.env_kwargs.xml_file")):
+            spec = {**gym, "task": task, "options": {**gym["options"], **options}}
+            r = httpx.post(f"{url}/v1/sessions", headers=h, json={"env": spec, "n_envs": 1}, timeout=60)
+            assert r.status_code == 422 and r.json()["error"]["field"] == field, (task, r.status_code, r.text)
+            job = _rl_job("gym-job", env=spec)
+            r = httpx.post(f"{url}/v1/jobs", headers=h, json=job, timeout=60)
+            assert r.status_code == 422 and r.json()["error"]["field"] == "rl." + field, (task, r.text)
+        assert not imported.exists(), "a tenant-named module was imported"
+        ok = httpx.post(f"{url}/v1/sessions", headers=h, json={"env": {**gym, "task": "CartPole-v1"}, "n_envs": 1},
+                        timeout=120)
+        assert ok.status_code == 201, ok.text  # the allowed id works
+        httpx.delete(f"{url}/v1/sessions/{ok.json()['session']['id']}", headers=h, timeout=60)
+    finally:
+        stop(proc)
+    assert not imported.exists()
+
+
+def test_gym_backend_is_off_for_tenants_by_default(served):
+    import httpx
+
+    url, admin = served
+    h = _tenant(admin, "gym-default")
+    r = httpx.post(f"{url}/v1/sessions", headers=h, timeout=60,
+                   json={"env": {"backend": "gym", "task": "CartPole-v1"}, "n_envs": 1})
+    assert r.status_code == 422 and r.json()["error"]["field"] == "env.backend", r.text
+    assert "not enabled" in r.json()["error"]["message"]

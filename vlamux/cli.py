@@ -131,13 +131,16 @@ def main(ctx: click.Context, url: str, key: str | None, timeout: float, max_retr
 @click.option("--admin-key", envvar="VLAMUX_ADMIN_KEY", default=None,
               help="Admin key to use (env VLAMUX_ADMIN_KEY); else one is made on the first start.")
 @click.option("--max-body-mb", type=float, default=64.0, show_default=True, help="Largest request body.")
+@click.option("--gym-env", "gym_envs", multiple=True, metavar="ID[=KWARG,...]",
+              help="Let tenants simulate gymnasium env ID (backend 'gym'), with only these env_kwargs "
+                   "(repeatable). Without it the 'gym' backend is off for tenants.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
 def serve(host, port, data_dir, backbone, extra_backbones, device, dtype, training_device, inference_devices,
-          inference_replicas, ray_address, store_url, admin_key, max_body_mb, log_level) -> None:
+          inference_replicas, ray_address, store_url, admin_key, max_body_mb, gym_envs, log_level) -> None:
     """Run the services and the HTTP API until interrupted (embedded runtime unless --ray)."""
     config = serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
-                          ray_address, store_url, max_body_mb, extra_backbones)
+                          ray_address, store_url, max_body_mb, extra_backbones, gym_envs)
     from vlamux.api.server import serve as run
 
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -145,7 +148,7 @@ def serve(host, port, data_dir, backbone, extra_backbones, device, dtype, traini
 
 
 def serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
-                 ray_address, store_url, max_body_mb, extra_backbones=()):
+                 ray_address, store_url, max_body_mb, extra_backbones=(), gym_envs=()):
     """`vlamux serve`'s options as a ServiceConfig; a device or dtype this machine cannot run is a usage
     error now, not a failure after start-up (on Ray, devices are the actors' and checked there)."""
     from vlamux.api.host import ServiceConfig
@@ -161,6 +164,12 @@ def serve_config(data_dir, backbone, device, dtype, training_device, inference_d
             spec_from_arg(what if opt == "--add-backbone" else value)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint=opt) from None
+    allowed = {}
+    for value in gym_envs:
+        env_id, _, kwargs = value.partition("=")
+        if not env_id:
+            raise click.BadParameter(f"{value!r}: expected ID or ID=KWARG,...", param_hint="--gym-env")
+        allowed[env_id] = tuple(k.strip() for k in kwargs.split(",") if k.strip())
     devices = tuple(d.strip() for d in inference_devices.split(",") if d.strip()) if inference_devices else ()
     if not ray_address:
         for opt, name in [("--device", device), ("--training-device", training_device)] + \
@@ -174,7 +183,8 @@ def serve_config(data_dir, backbone, device, dtype, training_device, inference_d
     return ServiceConfig(data_dir=data_dir, store_url=store_url, backbone=backbone,
                          extra_backbones=tuple(extra_backbones), device=device, dtype=dtype,
                          training_device=training_device, inference_devices=devices,
-                         inference_replicas=inference_replicas, ray_address=ray_address, max_body_mb=max_body_mb)
+                         inference_replicas=inference_replicas, ray_address=ray_address, max_body_mb=max_body_mb,
+                         gym_envs=allowed)
 
 
 # ---- jobs --------------------------------------------------------------------------------------

@@ -71,6 +71,10 @@ class ServiceConfig:
     env_workers: int | None = None  # simulator processes per session (None: the service's default)
     # simulator processes of all tenants together (None: 8 per CPU); past it opens and jobs are refused
     max_env_processes_total: int | None = None
+    # backend "gym" for tenants: the gymnasium ids the operator allows, each with the env_kwargs it may
+    # take. Empty: off. A tenant's string never reaches gym.make unless it is one of these ids exactly
+    # (gymnasium imports the module an id like "pkg:Env-v0" names).
+    gym_envs: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -244,7 +248,7 @@ class ServiceHost:
             sft["dataset"] = str(self.dataset_path(sft["dataset"], "sft.dataset"))
             raw["sft"] = sft
         spec = load_spec(raw)
-        _check_envs(spec)
+        _check_envs(spec, self.config.gym_envs)
         return spec
 
     def dataset_path(self, name, field_name: str) -> Path:
@@ -545,6 +549,8 @@ class ServiceHost:
     # ---- environment sessions -------------------------------------------------------------------
     def open_session(self, tenant_id: str, env: dict, n_envs: int, seed: int | None = None) -> dict:
         env_svc = self.runtime.environment
+        check_allowed(env.get("backend", "tabletop"), env.get("task"), env.get("options") or {}, "env",
+                      self.config.gym_envs)
         # sessions the Environment Service closed on its own (idle, lost workers) hold nothing any more
         self.ledger.keep_only(tenant_id, "session:", {s["session_id"] for s in env_svc.list_sessions(tenant_id)})
         pending = f"opening:{uuid.uuid4().hex}"
@@ -563,7 +569,25 @@ class ServiceHost:
         self.ledger.release(tenant_id, f"session:{session_id}")
 
 
-def _check_envs(spec) -> None:
+def check_allowed(backend: str, task, options: dict, where: str, gym_envs: dict) -> None:
+    """A tenant's env may use backend 'gym' only with an id and env_kwargs the operator allowed."""
+    if backend != "gym":
+        return
+    if not gym_envs:
+        raise InvalidInputError(f"{where}.backend: 'gym' is not enabled on this service (its operator allows "
+                                f"gymnasium ids with vlamux serve --gym-env)")
+    if task not in gym_envs:
+        raise InvalidInputError(f"{where}.task: gymnasium id {task!r} is not allowed here; allowed: {sorted(gym_envs)}")
+    kwargs = options.get("env_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise InvalidInputError(f"{where}.options.env_kwargs: expected a map")
+    extra = sorted(set(kwargs) - set(gym_envs[task]))
+    if extra:
+        raise InvalidInputError(f"{where}.options.env_kwargs.{extra[0]}: not allowed for {task!r}; allowed: "
+                                f"{list(gym_envs[task]) or 'none'}")
+
+
+def _check_envs(spec, gym_envs: dict) -> None:
     """Every env a job will open, checked at submission as far as it can be without a simulator."""
     from vlamux.envs import BACKENDS, check_task
 
@@ -575,6 +599,11 @@ def _check_envs(spec) -> None:
             raise JobSpecError(f"{where}.env: an {spec.kind} job's evaluation needs an env spec")
         if env.backend not in BACKENDS:
             raise JobSpecError(f"{where}.env.backend: {check_task(env.backend, env.task)}")
+        try:
+            for task in (env.task, *section.tasks):
+                check_allowed(env.backend, task, env.options, f"{where}.env", gym_envs)
+        except InvalidInputError as e:
+            raise JobSpecError(str(e)) from None
         named = [(f"{where}.env.task", env.task), *((f"{where}.tasks[{i}]", t) for i, t in enumerate(section.tasks))]
         for field_, task in named:
             why = check_task(env.backend, task)

@@ -272,7 +272,7 @@ def env_error(e: Exception, where: str = "env") -> ApiError:
     field = field_of(msg)
     if field and (field == "spec" or field.startswith("spec.")):
         return invalid(where + field[4:], msg.split(":", 1)[1].strip())
-    if field in ("n_envs", "seed"):
+    if field in ("n_envs", "seed") or (field and field.startswith(where + ".")):
         return invalid(field, msg.split(":", 1)[1].strip())
     return invalid(where, msg)
 
