@@ -81,7 +81,10 @@ def create_app(host: ServiceHost) -> FastAPI:
             raise ApiError(403, "forbidden", "admin only")
         return p
 
-    async def msgpack_body(request: Request) -> Any:
+    async def msgpack_body(request: Request) -> bytes:
+        """The raw body, size-checked (bytes and msgpack objects, by its headers alone) but not decoded:
+        routes decode it with `wire.loads` on their worker thread, after their own cheap lookups, so a
+        hostile body costs neither the event loop nor a decode for an id that does not exist."""
         ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if ctype not in (wire.CONTENT_TYPE, "application/x-msgpack"):
             raise ApiError(415, "invalid_input", f"content-type: expected {wire.CONTENT_TYPE}", "content-type")
@@ -91,7 +94,9 @@ def create_app(host: ServiceHost) -> FastAPI:
             if size > limit:
                 raise ApiError(413, "payload_too_large", f"body over the limit of {limit} bytes")
             chunks.append(chunk)
-        return wire.loads(b"".join(chunks))
+        raw = b"".join(chunks)
+        wire.check_size(raw)
+        return raw
 
     def packed(obj, status: int = 200) -> Response:
         return Response(wire.dumps(obj), status_code=status, media_type=wire.CONTENT_TYPE)
@@ -238,7 +243,9 @@ def create_app(host: ServiceHost) -> FastAPI:
         return host.policy_versions(t, policy_id)
 
     @app.post("/v1/policies/{policy_id}/predict", openapi_extra=MSGPACK, responses=MSGPACK_OUT)
-    def predict(policy_id: str, t: str = Depends(tenant), body=Depends(msgpack_body)):
+    def predict(policy_id: str, t: str = Depends(tenant), raw: bytes = Depends(msgpack_body)):
+        head = host.policy_view(t, policy_id)["head"]  # an unknown id answers 404 before the body is decoded
+        body = wire.loads(raw)
         if not isinstance(body, dict):
             raise ApiError(422, "invalid_input", "body: expected a map with 'observation'", "body")
         obs = observation(body.get("observation"))
@@ -248,7 +255,7 @@ def create_app(host: ServiceHost) -> FastAPI:
         pinned = body.get("policy_version")
         if pinned is not None and (not isinstance(pinned, int) or isinstance(pinned, bool) or pinned < 0):
             raise invalid("policy_version", f"expected a non-negative integer, got {pinned!r}")
-        fits_head(host.policy_view(t, policy_id)["head"], obs)
+        fits_head(head, obs)
         out = host.predict(t, policy_id, obs, deterministic).result(60)
         served = int(out["policy_version"])
         if pinned is not None and served != pinned:  # the replicas serve one version per policy: the live one
@@ -269,7 +276,9 @@ def create_app(host: ServiceHost) -> FastAPI:
             raise err from None
 
     @app.post("/v1/training/slots/{policy_id}/forward_backward", status_code=202, openapi_extra=MSGPACK)
-    def forward_backward(policy_id: str, t: str = Depends(tenant), body=Depends(msgpack_body)):
+    def forward_backward(policy_id: str, t: str = Depends(tenant), raw: bytes = Depends(msgpack_body)):
+        head = host.policy_view(t, policy_id)["head"]
+        body = wire.loads(raw)
         if not isinstance(body, dict):
             raise ApiError(422, "invalid_input", "body: expected a map with observation, actions", "body")
         obs = observation(body.get("observation"))
@@ -285,7 +294,7 @@ def create_app(host: ServiceHost) -> FastAPI:
         if actions.shape[0] != obs.batch_size:
             raise ApiError(422, "invalid_input", f"actions: batch {actions.shape[0]} != {obs.batch_size} observations",
                            "actions")
-        fits_head(host.policy_view(t, policy_id)["head"], obs, actions)
+        fits_head(head, obs, actions)
         return {"future": host.forward_backward(t, policy_id, obs, actions, mask)}
 
     @app.post("/v1/training/slots/{policy_id}/optim_step", status_code=202)
@@ -326,7 +335,9 @@ def create_app(host: ServiceHost) -> FastAPI:
         return packed({"observation": obs_out(obs)})
 
     @app.post("/v1/sessions/{session_id}/step", openapi_extra=MSGPACK, responses=MSGPACK_OUT)
-    def step(session_id: str, t: str = Depends(tenant), body=Depends(msgpack_body)):
+    def step(session_id: str, t: str = Depends(tenant), raw: bytes = Depends(msgpack_body)):
+        host.runtime.environment.session_info(t, session_id)  # an unknown session: 404 before decoding
+        body = wire.loads(raw)
         if not isinstance(body, dict):
             raise ApiError(422, "invalid_input", "body: expected a map with 'actions'", "body")
         a = body.get("actions")

@@ -71,7 +71,62 @@ def dumps(obj: Any) -> bytes:
     return msgpack.packb(_pack(obj), use_bin_type=True)
 
 
+MAX_ELEMENTS = 20_000  # msgpack objects in one body: a real request has dozens (arrays travel as bytes)
+
+# msgpack type byte -> (bytes of the fixed part after it, bytes of a length field); a length field
+# counts payload bytes for str/bin/ext, elements for arrays, pairs for maps
+_FIXED = {0xc0: 0, 0xc2: 0, 0xc3: 0, 0xca: 4, 0xcb: 8, 0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8, 0xd0: 1, 0xd1: 2,
+          0xd2: 4, 0xd3: 8, 0xd4: 2, 0xd5: 3, 0xd6: 5, 0xd7: 9, 0xd8: 17}
+_SIZED = {0xc4: 1, 0xc5: 2, 0xc6: 4, 0xd9: 1, 0xda: 2, 0xdb: 4}  # bin and str: length, then bytes
+_EXT = {0xc7: 1, 0xc8: 2, 0xc9: 4}  # length, type byte, then bytes
+_ARRAY = {0xdc: 2, 0xdd: 4}
+_MAP = {0xde: 2, 0xdf: 4}
+
+
+def check_size(data: bytes, max_elements: int = MAX_ELEMENTS) -> None:
+    """Refuse a body of more than `max_elements` msgpack objects by reading its headers only: payloads
+    (an image's bytes) are skipped, and the scan stops at the cap, so a hostile body of millions of
+    empty arrays costs the cap's worth of work, not the millions of objects a decoder would build."""
+    pos, pending, count, n = 0, 1, 0, len(data)
+    while pending:
+        if pos >= n:
+            raise WireError("body is not valid msgpack: it ends inside an object")
+        b = data[pos]
+        pos += 1
+        pending -= 1
+        count += 1
+        if count > max_elements:
+            raise WireError(f"body: more than {max_elements} msgpack objects; arrays travel as one binary each")
+        if b <= 0x7f or b >= 0xe0:
+            continue
+        if b <= 0x8f:
+            pending += 2 * (b & 0x0f)
+        elif b <= 0x9f:
+            pending += b & 0x0f
+        elif b <= 0xbf:
+            pos += b & 0x1f
+        elif b in _FIXED:
+            pos += _FIXED[b]
+        elif b in _SIZED or b in _EXT or b in _ARRAY or b in _MAP:
+            width = _SIZED.get(b) or _EXT.get(b) or _ARRAY.get(b) or _MAP[b]
+            length = int.from_bytes(data[pos:pos + width], "big")
+            pos += width
+            if b in _ARRAY:
+                pending += length
+            elif b in _MAP:
+                pending += 2 * length
+            else:
+                pos += length + (1 if b in _EXT else 0)
+        else:
+            raise WireError(f"body is not valid msgpack: byte 0x{b:02x} at offset {pos - 1}")
+        if pending > max_elements:
+            raise WireError(f"body: more than {max_elements} msgpack objects; arrays travel as one binary each")
+    if pos != n:
+        raise WireError("body is not valid msgpack: extra bytes after the document")
+
+
 def loads(data: bytes, max_depth: int = 16) -> Any:
+    check_size(data)
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=len(data),
                               max_array_len=1 << 20, max_map_len=1 << 16)
