@@ -6,6 +6,7 @@ caller's tenant by the host, so another tenant's id answers 404 exactly like a m
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from pathlib import Path
@@ -57,7 +58,7 @@ def create_app(host: ServiceHost) -> FastAPI:
             return error_response(400, kind, f"body: {e.detail}", "body")
         return error_response(e.status_code, kind, str(e.detail), headers=getattr(e, "headers", None))
 
-    app.add_middleware(BodyLimit, limit=limit)
+    app.add_middleware(BodyLimit, limit=limit, json_limit=int(host.config.max_json_kb * 1024))
 
     async def principal(request: Request) -> Principal:
         auth = request.headers.get("authorization", "")
@@ -310,8 +311,14 @@ def create_app(host: ServiceHost) -> FastAPI:
         return {"future": host.load_state(t, policy_id, body.checkpoint_id)}
 
     @app.get("/v1/futures/{future_id}")
-    def future(future_id: str, wait: float = Query(default=0.0, ge=0.0, le=30.0), t: str = Depends(tenant)):
-        return {"future": host.future_view(t, future_id, wait)}
+    async def future(future_id: str, wait: float = Query(default=0.0, ge=0.0, le=30.0), t: str = Depends(tenant)):
+        # A long poll waits on the event loop for the future's callback: it holds no worker thread, so
+        # many waiters cannot starve other requests of threads (they are capped per tenant as well).
+        fut = host.future(t, future_id)
+        if wait > 0 and not fut.done():
+            with host.long_poll(t):
+                await _until_done(fut, wait)
+        return {"future": host.future_view(t, future_id)}
 
     # ---- environment sessions --------------------------------------------------------------
     @app.post("/v1/sessions", status_code=201)
@@ -380,6 +387,21 @@ def _tenant_view(host: ServiceHost, t) -> dict:
 def _key_view(k) -> dict:
     return {"id": k.id, "name": k.name, "created_at": k.created_at, "revoked": k.revoked_at is not None,
             "last_used_at": k.last_used_at}
+
+
+async def _until_done(fut, timeout_s: float) -> None:
+    """Wait up to timeout_s for a concurrent Future without a thread, and without cancelling it."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def wake(_):
+        loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    fut.add_done_callback(wake)
+    try:
+        await asyncio.wait_for(asyncio.shield(done), timeout_s)
+    except asyncio.TimeoutError:
+        pass
 
 
 def _session_view(s: dict) -> dict:

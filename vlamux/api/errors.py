@@ -65,18 +65,24 @@ def translate(e: Exception) -> JSONResponse:
 
 
 class BodyLimit:
-    """413 for a body over `limit` bytes: at once when content-length says so, else as it streams in.
+    """413 for a body over `limit` bytes (`json_limit` for any body that is not msgpack): at once when
+    content-length says so, else as it streams in.
 
     A pure ASGI middleware, so that a chunked body (no content-length) is counted too, whatever
-    reads it (FastAPI's JSON parsing or `msgpack_body`)."""
+    reads it (FastAPI's JSON parsing or `msgpack_body`). JSON bodies are specs and small settings, and
+    FastAPI parses them on the event loop, so their limit is far below that of array payloads."""
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, json_limit: int | None = None):
+        self.app, self.max_bytes = app, limit
+        self.json_limit = limit if json_limit is None else min(limit, json_limit)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        ctype = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+        limit = self.max_bytes if ctype in (b"application/msgpack", b"application/x-msgpack") else self.json_limit
+        length = headers.get(b"content-length")
         if length is not None:
             try:
                 n = int(length)
@@ -85,8 +91,8 @@ class BodyLimit:
             except ValueError:
                 return await error_response(400, "invalid_input", "content-length: not a non-negative integer",
                                     "content-length")(scope, receive, send)
-            if n > self.limit:
-                return await error_response(413, "payload_too_large", f"body of {n} bytes; the limit is {self.limit}")(
+            if n > limit:
+                return await error_response(413, "payload_too_large", f"body of {n} bytes; the limit is {limit}")(
                     scope, receive, send)
         seen = 0
 
@@ -95,8 +101,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:  # handled by the app's HTTPException handler: 413 in our format
-                    raise StarletteHTTPException(413, f"body over the limit of {self.limit} bytes")
+                if seen > limit:  # handled by the app's HTTPException handler: 413 in our format
+                    raise StarletteHTTPException(413, f"body over the limit of {limit} bytes")
             return message
 
         await self.app(scope, counted, send)

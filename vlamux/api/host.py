@@ -10,6 +10,7 @@ jobs and training slots at once, and their states never mix. A job's policy id i
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import logging
@@ -65,7 +66,9 @@ class ServiceConfig:
     inference_devices: tuple = ()
     inference_replicas: int = 1
     ray_address: str | None = None  # None: the embedded runtime; "local": a Ray instance of its own
-    max_body_mb: float = 64.0
+    max_body_mb: float = 64.0  # msgpack bodies (observations, action batches)
+    max_json_kb: float = 1024.0  # every other body (job specs, settings): parsed on the event loop
+    max_waits_per_tenant: int = 8  # long polls (GET /v1/futures/{id}?wait=) of one tenant at once
     meter_every_s: float = 2.0
     default_quotas: dict = field(default_factory=lambda: dict(DEFAULT_QUOTAS))
     env_workers: int | None = None  # simulator processes per session (None: the service's default)
@@ -114,6 +117,7 @@ class ServiceHost:
         cap = self.config.max_env_processes_total
         self.ledger = Ledger({"processes": cap if cap is not None else 8 * (os.cpu_count() or 1)})
         self._futures: dict[str, _Future] = {}
+        self._waits: dict[str, int] = {}
         self._own_ray = False
         self._lock = threading.Lock()
         self.started_at = time.time()
@@ -529,17 +533,40 @@ class ServiceHost:
             self._futures[f.id] = f
         return _future_view(f)
 
-    def future_view(self, tenant_id: str, future_id: str, wait_s: float = 0.0) -> dict:
+    def _tracked(self, tenant_id: str, future_id: str) -> _Future:
         with self._lock:
             f = self._futures.get(future_id)
         if f is None or f.tenant_id != tenant_id:
             raise NotFound(f"no future {future_id!r}")
+        return f
+
+    def future(self, tenant_id: str, future_id: str) -> Future:
+        """The tenant's future `future_id` (404 for another tenant's, as for a missing one)."""
+        return self._tracked(tenant_id, future_id).future
+
+    def future_view(self, tenant_id: str, future_id: str, wait_s: float = 0.0) -> dict:
+        f = self._tracked(tenant_id, future_id)
         if wait_s > 0:
             try:
                 f.future.exception(timeout=min(wait_s, 30.0))
             except TimeoutError:
                 pass
         return _future_view(f)
+
+    @contextlib.contextmanager
+    def long_poll(self, tenant_id: str):
+        """One of the tenant's waiting requests, counted: past `max_waits_per_tenant` at once, 429."""
+        with self._lock:
+            n = self._waits.get(tenant_id, 0)
+            if n >= self.config.max_waits_per_tenant:
+                raise QuotaExceeded(f"rate limited: {n} requests of this tenant are already waiting (at most "
+                                    f"{self.config.max_waits_per_tenant} long polls at once)", retry_after_s=1.0)
+            self._waits[tenant_id] = n + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._waits[tenant_id] -= 1
 
     def _gc_futures(self) -> None:
         now = time.time()
