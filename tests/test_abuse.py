@@ -296,3 +296,35 @@ def test_gym_backend_is_off_for_tenants_by_default(served):
                    json={"env": {"backend": "gym", "task": "CartPole-v1"}, "n_envs": 1})
     assert r.status_code == 422 and r.json()["error"]["field"] == "env.backend", r.text
     assert "not enabled" in r.json()["error"]["message"]
+
+
+# ---- finding 5: keys and rates are resolved in memory; revocation still takes effect ---------------
+
+def test_a_key_revoked_outside_this_host_stops_working_within_the_cache_time(tmp_path):
+    """Keys are cached (digests, a few seconds) so that authenticating costs no store read; a key
+    revoked by another process on the same store (here: the store directly) is refused within
+    auth_cache_s, and one revoked through the API at once."""
+    import time
+
+    import httpx
+    from api_server import running_server
+
+    with running_server(tmp_path, auth_cache_s=0.5) as (url, admin_key, host):
+        admin = {"Authorization": f"Bearer {admin_key}"}
+        r = httpx.post(f"{url}/v1/tenants", headers=admin, json={"name": "cached"}, timeout=30).json()
+        key = {"Authorization": f"Bearer {r['api_key']}"}
+        assert httpx.get(f"{url}/v1/me", headers=key, timeout=30).status_code == 200
+        key_id = host.store.list_keys(r["tenant"]["id"])[0].id
+        host.store.revoke_key(key_id, r["tenant"]["id"])  # behind the host's back
+        start = time.monotonic()
+        while httpx.get(f"{url}/v1/me", headers=key, timeout=30).status_code == 200:
+            assert time.monotonic() - start < 2.0, "a revoked key still worked after 2 s (cache time 0.5 s)"
+            time.sleep(0.05)
+        # through the API: at once
+        r2 = httpx.post(f"{url}/v1/tenants", headers=admin, json={"name": "cached2"}, timeout=30).json()
+        k2 = {"Authorization": f"Bearer {r2['api_key']}"}
+        extra = httpx.post(f"{url}/v1/keys", headers=k2, json={"name": "x"}, timeout=30).json()
+        k3 = {"Authorization": f"Bearer {extra['api_key']}"}
+        assert httpx.get(f"{url}/v1/me", headers=k3, timeout=30).status_code == 200
+        assert httpx.delete(f"{url}/v1/keys/{extra['key']['id']}", headers=k2, timeout=30).status_code == 204
+        assert httpx.get(f"{url}/v1/me", headers=k3, timeout=30).status_code == 401

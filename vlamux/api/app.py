@@ -15,12 +15,14 @@ from typing import Any
 import numpy as np
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlamux.api import wire
 from vlamux.api.errors import ApiError, BodyLimit, error_response, translate
 from vlamux.api.host import NotFound, Principal, ServiceHost
+from vlamux.api.keycache import TTLCache
 from vlamux.api.validate import (MSGPACK, MSGPACK_OUT, KeyIn, LoadStateIn, OptimStepIn, QuotasIn, ResetIn, SessionIn,
                                  SlotIn, TenantIn, check_env, check_head, check_optimizer, env_error, fits_head,
                                  floats, head_error, invalid, obs_out, observation)
@@ -65,10 +67,15 @@ def create_app(host: ServiceHost) -> FastAPI:
         if not auth.lower().startswith("bearer "):
             raise ApiError(401, "unauthenticated", "missing 'Authorization: Bearer <api key>'",
                            headers={"WWW-Authenticate": "Bearer"})
-        p = host.authenticate(auth[7:].strip())
+        secret = auth[7:].strip()
+        p = host.cached_principal(secret)
+        if TTLCache.missing(p):  # the store is read on a worker thread, never on the event loop
+            p = await run_in_threadpool(host.authenticate, secret)
         if p is None:
             raise ApiError(401, "unauthenticated", "unknown, revoked or disabled API key",
                            headers={"WWW-Authenticate": "Bearer"})
+        if not p.is_admin and not host.quotas_cached(p.tenant_id):
+            await run_in_threadpool(host.quotas, p.tenant_id)
         host.admit(p)
         return p
 
@@ -146,18 +153,23 @@ def create_app(host: ServiceHost) -> FastAPI:
     @app.post("/v1/tenants/{tenant_id}/disable")
     def disable_tenant(tenant_id: str, p: Principal = Depends(admin)):
         _admin_tenant(tenant_id)
-        return {"tenant": _tenant_view(host, host.store.set_disabled(tenant_id, True))}
+        t = host.store.set_disabled(tenant_id, True)
+        host.forget(tenant_id=tenant_id)
+        return {"tenant": _tenant_view(host, t)}
 
     @app.post("/v1/tenants/{tenant_id}/enable")
     def enable_tenant(tenant_id: str, p: Principal = Depends(admin)):
         _admin_tenant(tenant_id)
-        return {"tenant": _tenant_view(host, host.store.set_disabled(tenant_id, False))}
+        t = host.store.set_disabled(tenant_id, False)
+        host.forget(tenant_id=tenant_id)
+        return {"tenant": _tenant_view(host, t)}
 
     @app.put("/v1/tenants/{tenant_id}/quotas")
     def set_quotas(tenant_id: str, body: QuotasIn, p: Principal = Depends(admin)):
         t = _admin_tenant(tenant_id)
         quotas = {**(t.quotas or {}), **body.model_dump(exclude_none=True)}
         host.store.set_quotas(tenant_id, quotas)
+        host.forget(tenant_id=tenant_id)
         return {"tenant": _tenant_view(host, host.store.get_tenant(tenant_id))}
 
     @app.post("/v1/keys", status_code=201)
@@ -180,6 +192,7 @@ def create_app(host: ServiceHost) -> FastAPI:
     def revoke_key(key_id: str, t: str = Depends(tenant)):
         if not host.store.revoke_key(key_id, t):
             raise NotFound(f"no key {key_id!r}")
+        host.forget(key_id=key_id)
         return Response(status_code=204)
 
     # ---- datasets and jobs -----------------------------------------------------------------

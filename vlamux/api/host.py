@@ -23,6 +23,7 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vlamux.api.keycache import TTLCache, digest
 from vlamux.api.metering import Meter, RateLimiter
 from vlamux.api.quotas import WHAT, Ledger, Need, QuotaRefused, session_processes
 from vlamux.errors import CorruptCheckpointError, InvalidInputError, VlamuxError
@@ -69,6 +70,7 @@ class ServiceConfig:
     max_body_mb: float = 64.0  # msgpack bodies (observations, action batches)
     max_json_kb: float = 1024.0  # every other body (job specs, settings): parsed on the event loop
     max_waits_per_tenant: int = 8  # long polls (GET /v1/futures/{id}?wait=) of one tenant at once
+    auth_cache_s: float = 5.0  # keys and quotas changed outside this host take effect within this long
     meter_every_s: float = 2.0
     default_quotas: dict = field(default_factory=lambda: dict(DEFAULT_QUOTAS))
     env_workers: int | None = None  # simulator processes per session (None: the service's default)
@@ -114,6 +116,8 @@ class ServiceHost:
         self.master: MasterService | None = None
         self.meter: Meter | None = None
         self.limiter = RateLimiter()
+        self._principals = TTLCache(self.config.auth_cache_s)  # secret digest -> Principal | None
+        self._quotas = TTLCache(self.config.auth_cache_s)  # tenant id -> quotas
         cap = self.config.max_env_processes_total
         self.ledger = Ledger({"processes": cap if cap is not None else 8 * (os.cpu_count() or 1)})
         self._futures: dict[str, _Future] = {}
@@ -192,21 +196,47 @@ class ServiceHost:
 
     # ---- authentication and tenants -------------------------------------------------------------
     def authenticate(self, secret: str) -> Principal | None:
-        key = self.store.authenticate(secret)
-        return None if key is None else Principal(key.id, key.tenant_id)
+        """The key's principal (None: unknown, revoked or disabled), from the cache or the store."""
+        d = digest(secret)
+        p = self._principals.get(d)
+        if TTLCache.missing(p):
+            key = self.store.authenticate(secret)
+            p = None if key is None else Principal(key.id, key.tenant_id)
+            self._principals.put(d, p)
+        return p
+
+    def cached_principal(self, secret: str):
+        """The principal if the cache knows the key (None for a known-bad one), else the cache's
+        sentinel (`TTLCache.missing`): a check that never touches the store, for the event loop."""
+        return self._principals.get(digest(secret))
 
     def quotas(self, tenant_id: str) -> dict:
-        t = self.store.get_tenant(tenant_id)
-        return {**self.config.default_quotas, **((t.quotas if t else None) or {})}
+        q = self._quotas.get(tenant_id)
+        if TTLCache.missing(q):
+            t = self.store.get_tenant(tenant_id)
+            q = {**self.config.default_quotas, **((t.quotas if t else None) or {})}
+            self._quotas.put(tenant_id, q)
+        return q
+
+    def quotas_cached(self, tenant_id: str) -> bool:
+        return not TTLCache.missing(self._quotas.get(tenant_id))
+
+    def forget(self, tenant_id: str | None = None, key_id: str | None = None) -> None:
+        """A tenant's or a key's cached principal and quotas are stale (changed through this host)."""
+        # unknown keys are forgotten too: one refused while its tenant was disabled is valid once enabled
+        self._principals.drop(lambda _, p: p is None or p.tenant_id == tenant_id or p.key_id == key_id)
+        if tenant_id is not None:
+            self._quotas.drop(lambda t, _: t == tenant_id)
 
     def admit(self, p: Principal) -> None:
-        """Per-tenant request rate (the admin is not limited)."""
+        """Per-tenant request rate (the admin is not limited). In memory: cheap enough for the event loop
+        once the tenant's quotas are cached."""
         if p.is_admin:
             return
-        wait = self.limiter.take(p.tenant_id, float(self.quotas(p.tenant_id)["requests_per_s"]))
+        rate = float(self.quotas(p.tenant_id)["requests_per_s"])
+        wait = self.limiter.take(p.tenant_id, rate)
         if wait > 0:
-            raise QuotaExceeded(f"rate limited: more than {self.quotas(p.tenant_id)['requests_per_s']} requests/s",
-                                retry_after_s=wait)
+            raise QuotaExceeded(f"rate limited: more than {rate:g} requests/s", retry_after_s=wait)
 
     # ---- jobs -----------------------------------------------------------------------------------
     def submit_job(self, tenant_id: str, spec: dict) -> dict:
