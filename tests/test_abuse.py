@@ -328,3 +328,110 @@ def test_a_key_revoked_outside_this_host_stops_working_within_the_cache_time(tmp
         assert httpx.get(f"{url}/v1/me", headers=k3, timeout=30).status_code == 200
         assert httpx.delete(f"{url}/v1/keys/{extra['key']['id']}", headers=k2, timeout=30).status_code == 204
         assert httpx.get(f"{url}/v1/me", headers=k3, timeout=30).status_code == 401
+
+
+def _latencies_while(url: str, headers: dict, path: str, busy) -> list[float]:
+    """Another tenant's request times (s), made one after another while `busy()` is still working."""
+    import time
+
+    import httpx
+
+    out = []
+    with httpx.Client(timeout=30) as c:
+        while busy() or not out:
+            t0 = time.perf_counter()
+            assert c.get(f"{url}{path}", headers=headers).status_code == 200
+            out.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+    return out
+
+
+def test_hostile_bodies_are_refused_before_decoding_and_others_are_not_slowed(served):
+    """Finding 3: a 15 MB msgpack body of empty arrays to /v1/policies/ANY/predict froze the server
+    for 19 s; four parallel 60 MB JSON bodies to /v1/jobs took another tenant's /v1/me to 5.7 s."""
+    import threading
+
+    import httpx
+    import msgpack
+
+    url, admin = served
+    hostile, other = _tenant(admin, "hostile"), _tenant(admin, "bystander")
+    slot = httpx.post(f"{url}/v1/training/slots", headers=hostile, json={"head": HEAD}, timeout=60).json()["policy"]
+    empty_arrays = msgpack.packb([[] for _ in range(15_000_000)])  # 15 MB
+    big_json = b'{"name": "x", "pad": "' + b"a" * (60 << 20) + b'"}'
+    answers, done = [], threading.Event()
+
+    def attack():
+        with httpx.Client(timeout=120) as c:
+            for target in ("ANY", slot["id"]) * 2:
+                r = c.post(f"{url}/v1/policies/{target}/predict", content=empty_arrays,
+                           headers={**hostile, "Content-Type": "application/msgpack"})
+                answers.append((target, r.status_code, r.json()["error"]))
+
+    def post_json():
+        try:
+            with httpx.Client(timeout=120) as c:
+                r = c.post(f"{url}/v1/jobs", content=big_json, headers={**hostile, "Content-Type": "application/json"})
+                answers.append(("json", r.status_code, r.json()["error"]))
+        except httpx.TransportError as e:  # refused on its content-length, the server may close mid-upload
+            answers.append(("json", 413, {"message": f"closed: {e}"}))
+
+    workers = [threading.Thread(target=attack)] + [threading.Thread(target=post_json) for _ in range(4)]
+    for w in workers:
+        w.start()
+    try:
+        times = _latencies_while(url, other, "/v1/me", lambda: any(w.is_alive() for w in workers))
+    finally:
+        for w in workers:
+            w.join(300)
+        done.set()
+    assert max(times) < 1.0, f"another tenant's /v1/me took {max(times):.2f} s (of {len(times)} calls)"
+    by = {}
+    for target, status, err in answers:
+        by.setdefault(target, set()).add(status)
+    # the element count is read from the headers before any lookup or decoding: both ids answer 422
+    assert by["ANY"] == {422} and by[slot["id"]] == {422} and by["json"] == {413}, answers
+    assert all("msgpack objects" in e["message"] for t, _, e in answers if t != "json")
+
+
+def test_long_polls_hold_no_thread_and_are_capped_per_tenant(tmp_path):
+    """Finding 4: 45 parallel GET /v1/futures/{id}?wait=30 of one tenant took another tenant's
+    GET /v1/jobs to 28.9 s. In-process server (tests/api_server.py): the pending future is one the
+    test holds open, since no real operation stays pending for 30 s on demand."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    import httpx
+    from api_server import running_server
+
+    with running_server(tmp_path, max_waits_per_tenant=8) as (url, admin_key, host):
+        admin = {"Authorization": f"Bearer {admin_key}"}
+        keys = {}
+        for name in ("poller", "other"):
+            r = httpx.post(f"{url}/v1/tenants", headers=admin, timeout=30,
+                           json={"name": name, "quotas": {"requests_per_s": 10000}}).json()
+            keys[name] = ({"Authorization": f"Bearer {r['api_key']}"}, r["tenant"]["id"])
+        pending: Future = Future()
+        view = host._track(keys["poller"][1], "test", pending)
+        codes = []
+
+        def poll():
+            with httpx.Client(timeout=60) as c:
+                codes.append(c.get(f"{url}/v1/futures/{view['id']}", params={"wait": 30},
+                                   headers=keys["poller"][0]).status_code)
+
+        pollers = [threading.Thread(target=poll) for _ in range(45)]
+        for p in pollers:
+            p.start()
+        time.sleep(1.0)
+        left = iter(range(20))
+        times = _latencies_while(url, keys["other"][0], "/v1/jobs", lambda: next(left, None) is not None)
+        pending.set_result({"ok": True})
+        t0 = time.monotonic()
+        for p in pollers:
+            p.join(60)
+        woke_s = time.monotonic() - t0
+    assert max(times) < 1.0, f"another tenant's GET /v1/jobs took {max(times):.2f} s"
+    assert sorted(set(codes)) == [200, 429] and codes.count(200) == 8, codes
+    assert woke_s < 5.0  # the waiters answered when the future completed, not at their 30 s timeout
