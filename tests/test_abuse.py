@@ -435,3 +435,30 @@ def test_long_polls_hold_no_thread_and_are_capped_per_tenant(tmp_path):
     assert max(times) < 1.0, f"another tenant's GET /v1/jobs took {max(times):.2f} s"
     assert sorted(set(codes)) == [200, 429] and codes.count(200) == 8, codes
     assert woke_s < 5.0  # the waiters answered when the future completed, not at their 30 s timeout
+
+
+# ---- private files: the store and the admin key ------------------------------------------------------
+
+def test_the_store_and_the_admin_key_are_private_and_the_key_is_never_printed(tmp_path):
+    import stat
+
+    from click.testing import CliRunner
+
+    from vlamux.api.server import stop
+    from vlamux.cli import main
+
+    data_dir, port, log = tmp_path / "service", _port(), tmp_path / "server.log"
+    proc = _serve(data_dir, port, log)
+    try:
+        key_file = data_dir / "admin.key"
+        for f in (key_file, data_dir / "vlamux.db"):
+            assert stat.S_IMODE(f.stat().st_mode) == 0o600, (f, oct(f.stat().st_mode))
+        secret = key_file.read_text().strip()
+        assert secret and secret not in log.read_text() and str(key_file) in log.read_text()
+        # the CLI takes it from the file: never on a command line
+        env = {"VLAMUX_URL": None, "VLAMUX_API_KEY": None, "VLAMUX_ADMIN_KEY": None, "VLAMUX_ADMIN_KEY_FILE": None}
+        r = CliRunner(env=env).invoke(main, ["--url", f"http://127.0.0.1:{port}", "tenants", "--admin-key-file",
+                                             str(key_file), "create", "filekey"])
+        assert r.exit_code == 0 and "tenant filekey" in r.output, r.output
+    finally:
+        stop(proc)

@@ -272,10 +272,16 @@ def cancel(ctx, job_id: str) -> None:
 # ---- tenants and keys --------------------------------------------------------------------------
 @main.group(cls=_Group)
 @click.option("--admin-key", envvar="VLAMUX_ADMIN_KEY", default=None,
-              help="The admin key (env VLAMUX_ADMIN_KEY; else --key).")
+              help="The admin key (env VLAMUX_ADMIN_KEY; else --admin-key-file, else --key).")
+@click.option("--admin-key-file", envvar="VLAMUX_ADMIN_KEY_FILE", default=None,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A file holding the admin key, e.g. <data-dir>/admin.key (env VLAMUX_ADMIN_KEY_FILE): "
+                   "keeps the key off command lines and out of shell history.")
 @click.pass_context
-def tenants(ctx, admin_key: str | None) -> None:
+def tenants(ctx, admin_key: str | None, admin_key_file: Path | None) -> None:
     """Manage tenants (admin key)."""
+    if admin_key is None and admin_key_file is not None:
+        admin_key = admin_key_file.read_text().strip() or None
     ctx.obj = {"admin_key": admin_key}
 
 

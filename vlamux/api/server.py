@@ -7,6 +7,7 @@ start resumes every job that was running from its last checkpoint.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from vlamux.api.host import ServiceConfig, ServiceHost
@@ -25,11 +26,12 @@ def serve(host_addr: str = "127.0.0.1", port: int = 8321, config: ServiceConfig 
     config = config or ServiceConfig()
     host = ServiceHost(config)
     new_admin = host.start(admin_key)
+    key_file = Path(config.data_dir) / "admin.key"
     if new_admin:
-        key_file = Path(config.data_dir) / "admin.key"
-        key_file.write_text(new_admin + "\n")
-        key_file.chmod(0o600)
-        print(f"admin API key (shown once; also written to {key_file}, mode 600):\n  {new_admin}", flush=True)
+        write_private(key_file, new_admin + "\n")
+        # never printed: logs and terminals are read by more people than the key's file
+        print(f"admin API key written to {key_file} (mode 600); the CLI reads it with "
+              f"--admin-key-file {key_file}", flush=True)
     runtime = "ray at " + config.ray_address if config.ray_address else "embedded"
     print(f"vlamux serving on http://{host_addr}:{port} ({runtime} runtime, backbone {config.backbone}, "
           f"data in {config.data_dir}); dashboard: /dashboard, API docs: /docs", flush=True)
@@ -38,6 +40,16 @@ def serve(host_addr: str = "127.0.0.1", port: int = 8321, config: ServiceConfig 
                     timeout_graceful_shutdown=10)
     finally:
         host.stop()
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read, from its first byte (no window at the umask's mode)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode under O_CREAT: set it
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
 
 
 def spawn(data_dir: str | Path, port: int, log=None, extra_args=(), timeout_s: float = 180.0, env=None):

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import re
 import secrets
 import time
@@ -169,7 +170,11 @@ class Store:
     def __init__(self, url: str | None = None, data_dir: str | Path = "data/service"):
         if url is None:
             Path(data_dir).mkdir(parents=True, exist_ok=True)
-            url = f"sqlite:///{Path(data_dir) / 'vlamux.db'}"
+            db = Path(data_dir) / "vlamux.db"
+            # key digests, quotas and every tenant's jobs: only the service's user reads the file
+            os.close(os.open(db, os.O_WRONLY | os.O_CREAT, 0o600))
+            db.chmod(0o600)
+            url = f"sqlite:///{db}"
         self.url = url
         if url.startswith("sqlite"):
             # Many server threads share the pool; the busy timeout makes writers queue, not fail.
