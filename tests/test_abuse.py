@@ -462,3 +462,25 @@ def test_the_store_and_the_admin_key_are_private_and_the_key_is_never_printed(tm
         assert r.exit_code == 0 and "tenant filekey" in r.output, r.output
     finally:
         stop(proc)
+
+
+def test_disabling_a_tenant_stops_its_jobs_and_closes_its_sessions(served):
+    import time
+
+    import httpx
+
+    url, admin = served
+    h = _tenant(admin, "to-disable")
+    tenant_id = httpx.get(f"{url}/v1/me", headers=h, timeout=30).json()["tenant"]["id"]
+    job = httpx.post(f"{url}/v1/jobs", headers=h, timeout=120, json=_rl_job("doomed")).json()["job"]
+    s = httpx.post(f"{url}/v1/sessions", headers=h, timeout=120, json={"env": ENV, "n_envs": 1})
+    assert s.status_code == 201, s.text
+    admin.admin.disable_tenant(tenant_id)
+    assert httpx.get(f"{url}/v1/me", headers=h, timeout=30).status_code == 401  # at once
+    admin.admin.enable_tenant(tenant_id)  # to look: enabling resumes nothing
+    assert httpx.get(f"{url}/v1/sessions", headers=h, timeout=30).json()["sessions"] == []
+    end = time.monotonic() + 60
+    while (state := httpx.get(f"{url}/v1/jobs/{job['id']}", headers=h, timeout=30).json()["job"]["state"]) \
+            == "running" and time.monotonic() < end:
+        time.sleep(0.3)
+    assert state == "cancelled", state

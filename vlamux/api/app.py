@@ -153,16 +153,12 @@ def create_app(host: ServiceHost) -> FastAPI:
     @app.post("/v1/tenants/{tenant_id}/disable")
     def disable_tenant(tenant_id: str, p: Principal = Depends(admin)):
         _admin_tenant(tenant_id)
-        t = host.store.set_disabled(tenant_id, True)
-        host.forget(tenant_id=tenant_id)
-        return {"tenant": _tenant_view(host, t)}
+        return {"tenant": _tenant_view(host, host.set_disabled(tenant_id, True))}
 
     @app.post("/v1/tenants/{tenant_id}/enable")
     def enable_tenant(tenant_id: str, p: Principal = Depends(admin)):
         _admin_tenant(tenant_id)
-        t = host.store.set_disabled(tenant_id, False)
-        host.forget(tenant_id=tenant_id)
-        return {"tenant": _tenant_view(host, t)}
+        return {"tenant": _tenant_view(host, host.set_disabled(tenant_id, False))}
 
     @app.put("/v1/tenants/{tenant_id}/quotas")
     def set_quotas(tenant_id: str, body: QuotasIn, p: Principal = Depends(admin)):

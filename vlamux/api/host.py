@@ -354,6 +354,27 @@ class ServiceHost:
                  "progress": (live[r.id].progress if r.id in live else r.progress) or {}}
                 for r in recs if r.kind != "slot"]
 
+    def set_disabled(self, tenant_id: str, disabled: bool):
+        """Disable (or enable) a tenant. Disabled, its keys answer 401 at once, its running jobs are
+        cancelled (their checkpoints stay) and its env sessions closed: it holds nothing any more."""
+        t = self.store.set_disabled(tenant_id, disabled)
+        self.forget(tenant_id=tenant_id)
+        if disabled:
+            for rec in self.store.list_jobs(tenant_id):
+                if rec.kind != "slot" and rec.state in ("queued", "running"):
+                    live = self.master.jobs.get(rec.id)
+                    if live is not None:
+                        self.master.cancel(live)
+                    else:
+                        self.store.set_job_state(rec.id, "cancelled", detail="the tenant was disabled")
+            env_svc = self.runtime.environment
+            for s in env_svc.list_sessions(tenant_id):
+                try:
+                    self.close_session(tenant_id, s["session_id"])
+                except Exception:  # noqa: BLE001 - closed meanwhile (reaped); nothing left to free
+                    log.debug("session %s of disabled tenant %s was already gone", s["session_id"], tenant_id)
+        return t
+
     def cancel_job(self, tenant_id: str, job_id: str) -> dict:
         rec = self._job(tenant_id, job_id)
         if rec.state not in ("queued", "running"):
