@@ -484,3 +484,11 @@ def test_disabling_a_tenant_stops_its_jobs_and_closes_its_sessions(served):
             == "running" and time.monotonic() < end:
         time.sleep(0.3)
     assert state == "cancelled", state
+
+
+def test_error_messages_name_no_server_paths():
+    from vlamux.errors import public_message
+
+    assert public_message("/srv/vlamux/tenants/t1/slots/p/ab.safetensors: truncated") == "ab.safetensors: truncated"
+    assert public_message("sft.dataset: no dataset 'x' (GET /v1/datasets)") == "sft.dataset: no dataset 'x' (GET /v1/datasets)"
+    assert "/" not in public_message("FileNotFoundError: [Errno 2] No such file: '/data/other-tenant/x.json'")

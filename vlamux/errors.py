@@ -4,6 +4,17 @@ Every error names what was wrong so a tenant can fix its request without
 reading our code (DESIGN invariant 5).
 """
 
+import re
+
+# an absolute path of two or more parts (not an API route such as /v1/jobs), its directories captured
+_PATH = re.compile(r"(?<![\w:/.])(?:/(?!v1/)[^\s/:;,'\"()\[\]]+)+/([^\s/:;,'\"()\[\]]+)")
+
+
+def public_message(message: str) -> str:
+    """An error message for a tenant to read: the service's file paths cut to their last part, so
+    that an error never tells one tenant where the service keeps anything (another tenant's files)."""
+    return _PATH.sub(r"\1", message)
+
 
 class VlamuxError(Exception):
     """Base class of all vlamux errors."""

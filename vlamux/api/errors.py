@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import logging
 import math
+import uuid
 
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlamux.api import wire
 from vlamux.api.host import Conflict, NotFound, QuotaExceeded
-from vlamux.errors import IncompatibleError, InvalidInputError, UnknownTenantError, VlamuxError
+from vlamux.errors import IncompatibleError, InvalidInputError, UnknownTenantError, VlamuxError, public_message
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ class ApiError(Exception):
 
 
 def error_response(status: int, type_: str, message: str, field: str | None = None, headers=None) -> JSONResponse:
-    body = {"error": {"type": type_, "message": message}}
+    body = {"error": {"type": type_, "message": public_message(message)}}
     if field:
         body["error"]["field"] = field
     return JSONResponse(body, status_code=status, headers=headers)
@@ -60,8 +61,11 @@ def translate(e: Exception) -> JSONResponse:
         return error_response(503, "unavailable", f"timed out: {e}", headers={"Retry-After": "2"})
     if isinstance(e, VlamuxError):
         return error_response(422, "invalid_input", str(e), field_of(str(e)))
-    log.exception("unexpected error", exc_info=e)
-    return error_response(500, "server_error", f"{type(e).__name__}: {e}")
+    incident = uuid.uuid4().hex[:12]
+    log.error("unexpected error (incident %s)", incident, exc_info=e)
+    # its message could say anything about the service's insides: the log has it, the answer an id
+    return error_response(500, "server_error", f"internal error ({type(e).__name__}); incident {incident} "
+                                               f"in the service's log")
 
 
 class BodyLimit:

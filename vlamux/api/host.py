@@ -15,7 +15,6 @@ import csv
 import hashlib
 import logging
 import os
-import re
 import threading
 import time
 import uuid
@@ -26,7 +25,7 @@ from pathlib import Path
 from vlamux.api.keycache import TTLCache, digest
 from vlamux.api.metering import Meter, RateLimiter
 from vlamux.api.quotas import WHAT, Ledger, Need, QuotaRefused, session_processes
-from vlamux.errors import CorruptCheckpointError, InvalidInputError, VlamuxError
+from vlamux.errors import CorruptCheckpointError, InvalidInputError, VlamuxError, public_message
 from vlamux.jobs.master import MasterService
 from vlamux.jobs.spec import JobSpecError, load_spec
 from vlamux.model.slot import read_slot_file
@@ -725,8 +724,7 @@ def _usable(rec) -> None:
 
 
 def _scrub(e: BaseException) -> str:
-    """An error for a tenant to read: the server's file paths left out."""
-    return re.sub(r"(?:/[^\s/:;,'\"()]+)+/([^\s/:;,'\"()]+)", r"\1", f"{type(e).__name__}: {e}")
+    return public_message(f"{type(e).__name__}: {e}")
 
 
 def _sha256(path: Path) -> str:
