@@ -492,3 +492,23 @@ def test_error_messages_name_no_server_paths():
     assert public_message("/srv/vlamux/tenants/t1/slots/p/ab.safetensors: truncated") == "ab.safetensors: truncated"
     assert public_message("sft.dataset: no dataset 'x' (GET /v1/datasets)") == "sft.dataset: no dataset 'x' (GET /v1/datasets)"
     assert "/" not in public_message("FileNotFoundError: [Errno 2] No such file: '/data/other-tenant/x.json'")
+
+
+def test_a_trickled_body_times_out_and_the_server_goes_on(tmp_path):
+    """A client that sends half its body and stops gets 408 after body_timeout_s, not a held request."""
+    import time
+
+    import httpx
+    from api_server import running_server
+
+    with running_server(tmp_path, body_timeout_s=1.0) as (url, admin_key, host):
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + admin_key.encode() +
+                      b"\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"name\": ")
+            t0 = time.monotonic()
+            reply = s.recv(4096).decode(errors="replace")
+            waited = time.monotonic() - t0
+        assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply, reply[:300]
+        assert 0.5 < waited < 5.0, waited
+        assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200

@@ -54,13 +54,14 @@ def create_app(host: ServiceHost) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         """Starlette's own answers (no such route, method not allowed, body too large) in our format."""
-        kinds = {404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+        kinds = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "payload_too_large"}
         kind = kinds.get(e.status_code, "invalid_input" if e.status_code < 500 else "server_error")
         if e.status_code == 400:  # FastAPI's "There was an error parsing the body" (an optional body)
             return error_response(400, kind, f"body: {e.detail}", "body")
         return error_response(e.status_code, kind, str(e.detail), headers=getattr(e, "headers", None))
 
-    app.add_middleware(BodyLimit, limit=limit, json_limit=int(host.config.max_json_kb * 1024))
+    app.add_middleware(BodyLimit, limit=limit, json_limit=int(host.config.max_json_kb * 1024),
+                       read_timeout_s=host.config.body_timeout_s)
 
     async def principal(request: Request) -> Principal:
         auth = request.headers.get("authorization", "")

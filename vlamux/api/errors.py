@@ -3,6 +3,7 @@ a client can act on, and `Retry-After` where waiting helps. Also the request-bod
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import uuid
@@ -76,8 +77,8 @@ class BodyLimit:
     reads it (FastAPI's JSON parsing or `msgpack_body`). JSON bodies are specs and small settings, and
     FastAPI parses them on the event loop, so their limit is far below that of array payloads."""
 
-    def __init__(self, app, limit: int, json_limit: int | None = None):
-        self.app, self.max_bytes = app, limit
+    def __init__(self, app, limit: int, json_limit: int | None = None, read_timeout_s: float = 60.0):
+        self.app, self.max_bytes, self.read_timeout_s = app, limit, read_timeout_s
         self.json_limit = limit if json_limit is None else min(limit, json_limit)
 
     async def __call__(self, scope, receive, send):
@@ -98,11 +99,18 @@ class BodyLimit:
             if n > limit:
                 return await error_response(413, "payload_too_large", f"body of {n} bytes; the limit is {limit}")(
                     scope, receive, send)
-        seen = 0
+        seen, complete = 0, False
+        deadline = asyncio.get_running_loop().time() + self.read_timeout_s
 
         async def counted():
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete:  # after the body: a wait for the client's disconnect, which has no deadline
+                return await receive()
+            try:  # a client that trickles its body (or stops) must not hold the request for ever
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+            except asyncio.TimeoutError:
+                raise StarletteHTTPException(408, f"body: not received within {self.read_timeout_s:g} s") from None
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:  # handled by the app's HTTPException handler: 413 in our format

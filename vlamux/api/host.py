@@ -68,6 +68,7 @@ class ServiceConfig:
     ray_address: str | None = None  # None: the embedded runtime; "local": a Ray instance of its own
     max_body_mb: float = 64.0  # msgpack bodies (observations, action batches)
     max_json_kb: float = 1024.0  # every other body (job specs, settings): parsed on the event loop
+    body_timeout_s: float = 60.0  # a request body must arrive whole within this long (else 408)
     max_waits_per_tenant: int = 8  # long polls (GET /v1/futures/{id}?wait=) of one tenant at once
     auth_cache_s: float = 5.0  # keys and quotas changed outside this host take effect within this long
     meter_every_s: float = 2.0

@@ -37,7 +37,7 @@ def serve(host_addr: str = "127.0.0.1", port: int = 8321, config: ServiceConfig 
           f"data in {config.data_dir}); dashboard: /dashboard, API docs: /docs", flush=True)
     try:
         uvicorn.run(create_app(host), host=host_addr, port=port, log_level=log_level.lower(),
-                    timeout_graceful_shutdown=10)
+                    timeout_graceful_shutdown=10, timeout_keep_alive=5)  # idle connections close after 5 s
     finally:
         host.stop()
 
