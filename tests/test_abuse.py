@@ -509,6 +509,43 @@ def test_a_trickled_body_times_out_and_the_server_goes_on(tmp_path):
             t0 = time.monotonic()
             reply = s.recv(4096).decode(errors="replace")
             waited = time.monotonic() - t0
+            while "request_timeout" not in reply and (more := s.recv(4096)):  # the body may come apart
+                reply += more.decode(errors="replace")
         assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply, reply[:300]
         assert 0.5 < waited < 5.0, waited
         assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
+
+
+def test_a_flooding_tenant_is_refused_at_the_door_and_held_back(served):
+    """Finding 5: a tenant flooding without back-off kept its 50 req/s and slowed everyone. Over its
+    rate, a known key is refused before routing and each refusal is held ~1 s: 8 connections that
+    never pause get about 8 answers a second, all 429 with Retry-After, and the others are served."""
+    import threading
+    import time
+
+    import httpx
+
+    url, admin = served
+    flooder = _tenant(admin, "flooder")
+    admin.admin.set_quotas(httpx.get(f"{url}/v1/me", headers=flooder, timeout=30).json()["tenant"]["id"],
+                           requests_per_s=2)
+    other = _tenant(admin, "calm")
+    codes, stop_at = [], time.monotonic() + 3.0
+
+    def flood():
+        with httpx.Client(timeout=30) as c:
+            while time.monotonic() < stop_at:
+                r = c.get(f"{url}/v1/jobs", headers=flooder)
+                codes.append((r.status_code, r.headers.get("retry-after")))
+
+    threads = [threading.Thread(target=flood) for _ in range(8)]
+    for t in threads:
+        t.start()
+    served_ok = [httpx.get(f"{url}/v1/jobs", headers=other, timeout=30).status_code for _ in range(20)]
+    for t in threads:
+        t.join(30)
+    refused = [c for c in codes if c[0] == 429]
+    assert served_ok == [200] * 20
+    assert len(codes) <= 8 * 3 + 20, len(codes)  # held: about one answer per connection per second
+    assert refused and all(ra and int(ra) >= 1 for _, ra in refused)
+    assert {c for c, _ in codes} <= {200, 429}

@@ -20,6 +20,7 @@ from fastapi.responses import FileResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlamux.api import wire
+from vlamux.api.admission import ADMITTED, Admission
 from vlamux.api.errors import ApiError, BodyLimit, error_response, translate
 from vlamux.api.host import NotFound, Principal, ServiceHost
 from vlamux.api.keycache import TTLCache
@@ -62,6 +63,7 @@ def create_app(host: ServiceHost) -> FastAPI:
 
     app.add_middleware(BodyLimit, limit=limit, json_limit=int(host.config.max_json_kb * 1024),
                        read_timeout_s=host.config.body_timeout_s)
+    app.add_middleware(Admission, host=host)  # added last: it runs first, before the body is read
 
     async def principal(request: Request) -> Principal:
         auth = request.headers.get("authorization", "")
@@ -75,6 +77,8 @@ def create_app(host: ServiceHost) -> FastAPI:
         if p is None:
             raise ApiError(401, "unauthenticated", "unknown, revoked or disabled API key",
                            headers={"WWW-Authenticate": "Bearer"})
+        if request.scope.get("state", {}).get(ADMITTED) == p:  # counted at the front door already
+            return p
         if not p.is_admin and not host.quotas_cached(p.tenant_id):
             await run_in_threadpool(host.quotas, p.tenant_id)
         host.admit(p)

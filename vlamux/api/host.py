@@ -228,14 +228,18 @@ class ServiceHost:
         if tenant_id is not None:
             self._quotas.drop(lambda t, _: t == tenant_id)
 
+    def take_rate(self, tenant_id: str) -> float:
+        """Count one request against the tenant's rate: 0 if admitted, else the seconds to wait."""
+        return self.limiter.take(tenant_id, float(self.quotas(tenant_id)["requests_per_s"]))
+
     def admit(self, p: Principal) -> None:
         """Per-tenant request rate (the admin is not limited). In memory: cheap enough for the event loop
         once the tenant's quotas are cached."""
         if p.is_admin:
             return
-        rate = float(self.quotas(p.tenant_id)["requests_per_s"])
-        wait = self.limiter.take(p.tenant_id, rate)
+        wait = self.take_rate(p.tenant_id)
         if wait > 0:
+            rate = float(self.quotas(p.tenant_id)["requests_per_s"])
             raise QuotaExceeded(f"rate limited: more than {rate:g} requests/s", retry_after_s=wait)
 
     # ---- jobs -----------------------------------------------------------------------------------
