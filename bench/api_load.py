@@ -7,6 +7,14 @@ its job list, its usage. Every request's latency is recorded; any exception coun
 
     python bench/api_load.py [--quick] [--clients 32] [--seconds 30]
 Writes bench/results/api_load.json (quick: api_load_quick.json): clients, requests_per_s, p99_ms, errors.
+
+    python bench/api_load.py --noisy-neighbour [--quick]
+The same ordinary clients, plus a light tenant (one request every 100 ms) and, in alternate windows
+of the same run, one flooding tenant (its own process: 8 connections, no back-off, its default
+quota of 50 requests/s). Reports the ordinary clients' throughput and p99 and the light tenant's p50
+with and without the flooder, and every 5xx anyone saw. Writes bench/results/api_noisy.json (quick:
+api_noisy_quick.json). Targets: ordinary throughput with >= 0.8 x without; light p50 with <= 2 x
+without; no 5xx.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ def observation(rng: np.random.Generator, size: int = 32) -> dict:
             "instructions": ["touch the red cube"]}
 
 
-def client_loop(url: str, key: str, seconds: float, seed: int, out: dict) -> None:
+def client_loop(url: str, key: str, seconds: float, seed: int, out: dict, stamps: list | None = None) -> None:
     from vlamux.sdk import Client
 
     rng = np.random.default_rng(seed)
@@ -66,6 +74,8 @@ def client_loop(url: str, key: str, seconds: float, seed: int, out: dict) -> Non
                 errors.append(f"{name}: {type(e).__name__}: {e}")
                 continue
             lat[name].append(time.perf_counter() - t0)
+            if stamps is not None:  # (when it started, how long it took): for the noisy-neighbour windows
+                stamps.append((t0, lat[name][-1]))
     except Exception as e:  # noqa: BLE001
         errors.append(f"setup: {type(e).__name__}: {e}")
     finally:
@@ -85,6 +95,136 @@ def _placement(url: str, admin_key: str) -> dict:
     return out
 
 
+def flood(url: str, key: str, windows: list[tuple[float, float]], connections: int, q) -> None:
+    """The flooding tenant, in a process of its own: inside each (start, end) window (wall clock),
+    `connections` threads ask as fast as answers come, no back-off. Puts its status counts on q."""
+    import collections
+
+    import httpx
+
+    counts: collections.Counter = collections.Counter()
+    lock = threading.Lock()
+
+    def one() -> None:
+        with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {key}"}) as c:
+            for start, end in windows:
+                while time.time() < start:
+                    time.sleep(0.01)
+                while time.time() < end:
+                    try:
+                        code = c.get(f"{url}/v1/jobs").status_code
+                    except httpx.HTTPError as e:
+                        code = type(e).__name__
+                    with lock:
+                        counts[code] += 1
+
+    threads = [threading.Thread(target=one) for _ in range(connections)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    q.put(dict(counts))
+
+
+def light_loop(url: str, key: str, until: float, stamps: list, errors: list) -> None:
+    """A light tenant: one GET /v1/jobs every 100 ms, each (start, latency) recorded."""
+    import httpx
+
+    with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {key}"}) as c:
+        while time.perf_counter() < until:
+            t0 = time.perf_counter()
+            r = c.get(f"{url}/v1/jobs")
+            if r.status_code >= 500:
+                errors.append(f"light: {r.status_code}")
+            stamps.append((t0, time.perf_counter() - t0))
+            time.sleep(0.1)
+
+
+def _in(stamps: list, windows: list[tuple[float, float]]) -> list[float]:
+    return [lat for t, lat in stamps if any(a <= t < b for a, b in windows)]
+
+
+def noisy_neighbour(args, device, dtype) -> int:
+    import multiprocessing as mp
+
+    from vlamux.api.server import spawn, stop
+    from vlamux.model.device import dtype_name
+    from vlamux.sdk import Client
+
+    clients = args.clients or (8 if args.quick else 32)
+    per_window = (args.seconds or (12.0 if args.quick else 30.0)) / 2  # two windows of each, alternating
+    data_dir = Path(tempfile.mkdtemp(prefix="vlamux-api-noisy-"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = spawn(data_dir, port, extra_args=("--log-level", "warning", "--device", str(device),
+                                             "--dtype", dtype_name(dtype), "--backbone", args.backbone))
+    try:
+        admin_key = (data_dir / "admin.key").read_text().strip()
+        admin = Client(url, admin_key)
+        keys = [admin.admin.create_tenant(f"ordinary-{i}", quotas={"requests_per_s": 1000.0})[1] for i in range(clients)]
+        light_key = admin.admin.create_tenant("light", quotas={"requests_per_s": 1000.0})[1]
+        flood_key = admin.admin.create_tenant("flooder")[1]  # the default quotas: 50 requests/s
+        warmup = 8.0  # the clients make their training slots first
+        t_wall, t_perf = time.time() + warmup, time.perf_counter() + warmup
+        order = ["without", "with", "without", "with"]
+        windows = {k: [] for k in ("with", "without")}
+        for i, kind in enumerate(order):
+            windows[kind].append((t_perf + i * per_window, t_perf + (i + 1) * per_window))
+        flood_wall = [(t_wall + i * per_window, t_wall + (i + 1) * per_window) for i, k in enumerate(order) if k == "with"]
+        q = mp.get_context("spawn").Queue()
+        flooder = mp.get_context("spawn").Process(target=flood, args=(url, flood_key, flood_wall, 8, q))
+        flooder.start()
+        total = warmup + len(order) * per_window
+        print(f"noisy neighbour: {clients} ordinary clients + a light tenant, a flooder in alternate {per_window:.0f} s "
+              f"windows ({total:.0f} s) against {url}", flush=True)
+        results, stamps, light, light_errors = {}, [], [], []
+        threads = [threading.Thread(target=client_loop, args=(url, k, total, i, results, stamps))
+                   for i, k in enumerate(keys)]
+        threads.append(threading.Thread(target=light_loop, args=(url, light_key, t_perf + len(order) * per_window,
+                                                                  light, light_errors)))
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(total + 120)
+        flooder.join(120)
+        flooded = q.get(timeout=30) if not q.empty() else {}
+    finally:
+        stop(proc)
+    errors = [e for _, errs in results.values() for e in errs] + light_errors
+    errors_5xx = sum(1 for e in errors if re.search(r"\b5\d\d\b|ServerError|ServiceUnavailable", e))
+    errors_5xx += sum(v for k, v in flooded.items() if isinstance(k, int) and k >= 500)
+    out = {}
+    for kind, ws in windows.items():
+        lat = _in(stamps, ws)
+        seconds = sum(b - a for a, b in ws)
+        lt = _in(light, ws)
+        out[kind] = {"rps": len(lat) / seconds, "p99_ms": 1e3 * float(np.percentile(lat, 99)) if lat else None,
+                     "light_p50_ms": 1e3 * float(np.percentile(lt, 50)) if lt else None, "requests": len(lat)}
+    payload = {
+        "what": "32 ordinary tenants' clients and a light tenant, with and without one flooding tenant "
+                "(8 connections, no back-off), in alternating windows of one run (bench/api_load.py --noisy-neighbour)",
+        "clients": clients, "window_s": per_window, "windows": order,
+        "ordinary_rps_with": out["with"]["rps"], "ordinary_rps_without": out["without"]["rps"],
+        "ordinary_p99_ms_with": out["with"]["p99_ms"], "ordinary_p99_ms_without": out["without"]["p99_ms"],
+        "light_p50_ms_with": out["with"]["light_p50_ms"], "light_p50_ms_without": out["without"]["light_p50_ms"],
+        "errors_5xx": errors_5xx, "errors": len(errors), "error_samples": errors[:10],
+        "flooder_answers": {str(k): v for k, v in flooded.items()},
+        "environment": environment(device, dtype), "cpus": os.cpu_count(),
+    }
+    payload["throughput_ratio"] = payload["ordinary_rps_with"] / payload["ordinary_rps_without"]
+    payload["light_p50_ratio"] = payload["light_p50_ms_with"] / payload["light_p50_ms_without"]
+    payload["targets_met"] = {"throughput_ratio>=0.8": payload["throughput_ratio"] >= 0.8,
+                              "light_p50_ratio<=2": payload["light_p50_ratio"] <= 2.0, "no_5xx": errors_5xx == 0}
+    print(f"ordinary: {payload['ordinary_rps_without']:.1f} -> {payload['ordinary_rps_with']:.1f} req/s with the "
+          f"flooder ({payload['throughput_ratio']:.2f}x), p99 {payload['ordinary_p99_ms_without']:.0f} -> "
+          f"{payload['ordinary_p99_ms_with']:.0f} ms; light p50 {payload['light_p50_ms_without']:.1f} -> "
+          f"{payload['light_p50_ms_with']:.1f} ms ({payload['light_p50_ratio']:.2f}x); 5xx {errors_5xx}; "
+          f"flooder got {payload['flooder_answers']}")
+    path = write_json("api_noisy_quick.json" if args.quick else "api_noisy.json", payload, args.out)
+    print(f"wrote {path}")
+    return 0 if all(payload["targets_met"].values()) else 1
+
+
 def main(argv=None) -> int:
     from vlamux.model.device import add_device_arguments, parse_device_arguments
 
@@ -94,9 +234,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--backbone", default="tiny", metavar="PRESET_OR_DIR", help="the server's backbone")
+    ap.add_argument("--noisy-neighbour", action="store_true",
+                    help="ordinary clients with and without one flooding tenant (bench/results/api_noisy.json)")
     add_device_arguments(ap)
     args = ap.parse_args(argv)
     device, dtype = parse_device_arguments(ap, args)  # checked here, used by the server process
+    if args.noisy_neighbour:
+        return noisy_neighbour(args, device, dtype)
     clients = args.clients or (8 if args.quick else 32)
     seconds = args.seconds or (8.0 if args.quick else 30.0)
 

@@ -128,3 +128,17 @@ def test_env_throughput_takes_a_render_device_instead():
 
     spec = env_throughput.BACKENDS["tabletop"]
     assert env_throughput.measure(spec.__class__(task=spec.task, image_size=32), 1, 1, 0.3, render_device=0) > 0
+
+
+def test_api_load_noisy_neighbour_reports_both_windows_and_the_flooders_refusals(tmp_path):
+    """A smoke run of `bench/api_load.py --noisy-neighbour` (2 clients, 2 s windows): every field the
+    issue names is written and the flooder met the rate limit. Speed is the benchmark's business."""
+    import api_load
+
+    out = tmp_path / "api_noisy.json"
+    api_load.main(["--noisy-neighbour", "--clients", "2", "--seconds", "4", "--device", "cpu", "--out", str(out)])
+    r = json.loads(out.read_text())
+    for k in ("ordinary_rps_with", "ordinary_rps_without", "ordinary_p99_ms_with", "ordinary_p99_ms_without",
+              "light_p50_ms_with", "light_p50_ms_without", "errors_5xx"):
+        assert r[k] is not None, k
+    assert r["errors_5xx"] == 0 and r["flooder_answers"].get("429", 0) > 0, r["flooder_answers"]
