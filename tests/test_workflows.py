@@ -248,6 +248,28 @@ def test_master_runs_a_multi_task_rl_job_and_keeps_its_final_policy(runtime, tmp
     assert "rl" not in again.result and again.result["policy_version"] == version
 
 
+def test_a_resumed_job_keeps_the_evaluations_it_made_before_the_restart(runtime, demos, tmp_path):
+    """SFT then RL, evaluated before, after SFT and after RL: restarted in its RL phase, the job keeps
+    the first two evaluations (from its job directory) and still reports the paired comparison."""
+    master = MasterService(runtime, tmp_path)
+    env = {"task": ENV.task, "image_size": 16, "max_steps": 6, "n_action_steps": 2}
+    spec = {"name": "evals", "tenant": "evals", "kind": "rl", "head": HEAD, "checkpoint_every": 1,
+            "sft": {"dataset": str(demos), "steps": 2, "batch_size": 4},
+            "rl": {"env": env, "env_steps": 32, "n_envs": 2, "sub_batches": 1, "segment_steps": 4, "mode": "sync"},
+            "eval": {"episodes": 2, "n_envs": 2}}
+    first = master.wait(master.submit(spec), 300)
+    assert first.state == "succeeded", first.error
+    assert {"before", "after_sft", "after", "paired"} <= set(first.result)
+    (tmp_path / "evals" / "state.json").write_text(json.dumps({"phase": "rl", "step": 0, "env_steps": 16}))
+    runtime.training.runner.remove_slot("evals")
+    runtime._recipes.pop("evals", None)
+    again = master.wait(master.submit(spec), 300)
+    assert again.state == "succeeded", again.error
+    for key in ("before", "after_sft"):
+        assert again.result[key]["tasks"] == json.loads(json.dumps(first.result[key]["tasks"])), key
+    assert "paired" in again.result and again.result["sft"] == first.result["sft"]
+
+
 def test_a_failing_job_fails_alone_and_cancel_stops_a_job(runtime, tmp_path):
     master = MasterService(runtime, tmp_path)
     bad = master.submit({"name": "bad", "tenant": "bad", "kind": "sft", "head": HEAD,

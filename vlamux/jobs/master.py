@@ -125,8 +125,16 @@ class MasterService:
             if resume is None and spec.init_adapter:
                 svc.import_adapter(spec.tenant, spec.init_adapter).result(120)
             result = {"name": spec.name, "tenant": spec.tenant, "kind": spec.kind}
+            partial = job.dir / "result.partial.json"  # what finished before a restart: kept, not redone
+            if resume is not None and partial.exists():
+                result.update(json.loads(partial.read_text()))
+
+            def keep(key: str, value) -> None:
+                result[key] = value
+                _write_json(partial, {k: v for k, v in result.items() if k in ("before", "after_sft", "sft")})
+
             if spec.eval is not None and spec.eval.before and resume is None:
-                result["before"] = self._evaluate(job)
+                keep("before", self._evaluate(job))
 
             def checkpoint(phase: str, step: int, env_steps: int = 0) -> None:
                 svc.save_state(spec.tenant, ckpt).result(120)
@@ -135,9 +143,11 @@ class MasterService:
                                          "policy_version": svc.training.version(spec.tenant)})
 
             if sft is not None:
-                result["sft"] = self._sft(job, sft, metrics, checkpoint, resume)
-                if spec.kind == "rl" and spec.eval is not None:
-                    result["after_sft"] = self._evaluate(job)  # where RL starts from
+                keep("sft", self._sft(job, sft, metrics, checkpoint, resume))
+            in_sft = resume is None or resume["phase"] in ("sft", "sft-done")  # (a restart may fall in between)
+            if spec.kind == "rl" and spec.sft is not None and spec.eval is not None and in_sft \
+                    and "after_sft" not in result:
+                keep("after_sft", self._evaluate(job))  # where RL starts from
             if spec.kind == "rl" and not (resume and resume["phase"] == "rl-done"):
                 result["rl"] = self._rl(job, metrics, checkpoint, resume)
             if spec.eval is not None:
