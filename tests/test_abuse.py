@@ -549,3 +549,66 @@ def test_a_flooding_tenant_is_refused_at_the_door_and_held_back(served):
     assert len(codes) <= 8 * 3 + 20, len(codes)  # held: about one answer per connection per second
     assert refused and all(ra and int(ra) >= 1 for _, ra in refused)
     assert {c for c, _ in codes} <= {200, 429}
+
+
+# ---- bad input: absurd shapes, overflowing numbers, long strings, deep nesting ----------------------
+
+def _array(shape, data=b"", dtype="uint8"):
+    return {"__nd__": 1, "dtype": dtype, "shape": shape, "data": data}
+
+
+def _obs(**over):
+    import numpy as np
+
+    from vlamux.api import wire
+
+    o = {"images": {"agentview": np.zeros((1, 3, 32, 32), np.uint8)}, "state": np.zeros((1, 8), np.float32),
+         "instructions": ["touch the red cube"]}
+    return {k: (v if isinstance(v, dict) and "__nd__" in v else wire._pack(v)) for k, v in {**o, **over}.items()}
+
+
+BAD_PREDICTS = [
+    ("a shape whose product overflows int64", {"images": {"agentview": _array([2**62, 2**62, 1, 1])}},
+     "observation.images.agentview"),
+    ("a shape of 2^31 x 2^31 pixels for 10 bytes", {"images": {"agentview": _array([1, 3, 2**31, 2**31], b"\0" * 10)}},
+     "observation.images.agentview"),
+    ("64 dimensions", {"images": {"agentview": _array([1] * 64, b"\0")}}, "observation.images.agentview"),
+    ("a 5 MB instruction", {"instructions": ["x" * 5_000_000]}, "observation.instructions"),
+]
+
+
+@pytest.mark.parametrize("what, over, field", BAD_PREDICTS, ids=[c[0] for c in BAD_PREDICTS])
+def test_absurd_observations_answer_422_naming_the_field(served, what, over, field):
+    import httpx
+    import msgpack
+
+    url, admin = served
+    h = _tenant(admin, f"bad-{uuid.uuid4().hex[:8]}")
+    slot = httpx.post(f"{url}/v1/training/slots", headers=h, json={"head": HEAD}, timeout=60).json()["policy"]["id"]
+    body = msgpack.packb({"observation": _obs(**over)}, use_bin_type=True)
+    with httpx.Client(timeout=60) as c:  # one connection: it must stay usable after each refusal
+        r = c.post(f"{url}/v1/policies/{slot}/predict", content=body, headers={**h, "Content-Type": "application/msgpack"})
+        assert r.status_code == 422 and r.json()["error"]["field"] == field, (what, r.status_code, r.text[:300])
+        assert c.get(f"{url}/v1/jobs", headers=h).status_code == 200
+
+
+BAD_JSON = [
+    ("/v1/jobs", '{"name": ' + "[" * 50_000 + "]" * 50_000 + "}", "body"),
+    ("/v1/jobs", '{"name": "x", "kind": "rl", "rl": {"n_envs": ' + "9" * 5000 + "}}", "body"),
+    ("/v1/jobs", json.dumps({"name": "x" * 100_000, "kind": "rl", "head": HEAD, "rl": {"env": ENV}}), "name"),
+    ("/v1/sessions", json.dumps({"env": {"task": "x" * 100_000}, "n_envs": 1}), "env.task"),
+    ("/v1/sessions", json.dumps({"env": {"task": "goal/touch-a-unicorn"}, "n_envs": 1}), "env.task"),
+    ("/v1/sessions", json.dumps({"env": ENV, "n_envs": 10**30}), "n_envs"),
+]
+
+
+@pytest.mark.parametrize("path, body, field", BAD_JSON, ids=[f"{p} {f} {i}" for i, (p, _, f) in enumerate(BAD_JSON)])
+def test_absurd_json_bodies_answer_4xx_naming_the_field(served, path, body, field):
+    import httpx
+
+    url, admin = served
+    h = _tenant(admin, f"badjson-{uuid.uuid4().hex[:8]}")
+    with httpx.Client(timeout=60) as c:
+        r = c.post(f"{url}{path}", content=body, headers={**h, "Content-Type": "application/json"})
+        assert 400 <= r.status_code < 500 and r.json()["error"].get("field") == field, (r.status_code, r.text[:300])
+        assert c.get(f"{url}/v1/jobs", headers=h).status_code == 200

@@ -15,6 +15,8 @@ from vlamux.api import wire
 from vlamux.api.errors import ApiError, field_of
 
 
+MAX_INSTRUCTION_CHARS = 4096  # a tokenizer truncates far sooner; longer is a client's mistake
+
 # ---- request bodies (JSON) ---------------------------------------------------------------------
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -90,6 +92,9 @@ def observation(d, where: str = "observation"):
     instr = d.get("instructions")
     if not isinstance(instr, list) or not instr or not all(isinstance(s, str) for s in instr):
         raise invalid(f"{where}.instructions", "expected a non-empty list of strings, one per row")
+    longest = max(len(s) for s in instr)
+    if longest > MAX_INSTRUCTION_CHARS:
+        raise invalid(f"{where}.instructions", f"at most {MAX_INSTRUCTION_CHARS} characters each, got {longest}")
     out = {}
     for cam, img in images.items():
         f = f"{where}.images.{cam}"
@@ -250,8 +255,14 @@ def check_env(env, where: str = "env") -> None:
         if k not in known:
             raise invalid(f"{where}.{k}", f"unknown field; allowed: {', '.join(sorted(known))}")
     for k in ("backend", "task"):
-        if k in env and (not isinstance(env[k], str) or not env[k]):
-            raise invalid(f"{where}.{k}", f"expected a name, got {env[k]!r}")
+        if k in env and (not isinstance(env[k], str) or not env[k] or len(env[k]) > 256):
+            raise invalid(f"{where}.{k}", f"expected a name of at most 256 characters, got {str(env[k])[:80]!r}")
+    from vlamux.envs import BACKENDS, check_task
+
+    backend = env.get("backend", "tabletop")
+    why = check_task(backend, env.get("task", "goal/touch-red-cube"))
+    if why is not None:  # known to be wrong without starting a simulator
+        raise invalid(f"{where}.backend" if backend not in BACKENDS else f"{where}.task", why)
     from vlamux.jobs.spec import RANGES
 
     for k, (lo, hi) in RANGES["EnvSpec"].items():

@@ -60,8 +60,12 @@ def _array(d: dict, path: str) -> np.ndarray:
         raise WireError(f"{path}: shape must be a list of non-negative integers, got {shape!r}", path)
     if not isinstance(data, bytes):
         raise WireError(f"{path}: data must be raw bytes", path)
+    if len(shape) > 32:
+        raise WireError(f"{path}: at most 32 dimensions, got {len(shape)}", path)
     dt = np.dtype(dtype).newbyteorder("<")
-    expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    expected = dt.itemsize
+    for n in shape:  # Python integers: a hostile shape cannot overflow into a match
+        expected *= n
     if len(data) != expected:
         raise WireError(f"{path}: {len(data)} bytes of data for shape {shape} {dtype} ({expected} expected)", path)
     return np.frombuffer(data, dtype=dt).reshape(shape).astype(dt.newbyteorder("="), copy=True)

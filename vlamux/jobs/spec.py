@@ -96,8 +96,8 @@ class JobSpec:
             raise JobSpecError("rl: an rl job needs an 'rl' section (env, algorithm, env_steps, ...)")
         if self.kind == "eval" and self.eval is None:
             raise JobSpecError("eval: an eval job needs an 'eval' section (tasks, episodes)")
-        if not self.name or not all(c.isalnum() or c in "-_." for c in self.name):
-            raise JobSpecError(f"name: letters, digits, '-', '_' and '.' only, got {self.name!r}")
+        if not self.name or len(self.name) > 128 or not all(c.isalnum() or c in "-_." for c in self.name):
+            raise JobSpecError(f"name: 1 to 128 letters, digits, '-', '_' and '.', got {self.name[:80]!r}")
         if self.checkpoint_every < 1:
             raise JobSpecError(f"checkpoint_every: expected >= 1, got {self.checkpoint_every}")
         if self.init_adapter is not None:
