@@ -7,8 +7,12 @@ caller's tenant by the host, so another tenant's id answers 404 exactly like a m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import json
 import logging
+import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +20,7 @@ import numpy as np
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse, PlainTextResponse, Response
+from fastapi.responses import FileResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlamux.api import wire
@@ -32,6 +36,8 @@ from vlamux.errors import InvalidInputError, VlamuxError
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
+STREAM_POLL_S = 0.5  # how often an event stream looks for news
+STREAM_IDLE_S = 120.0  # an event stream with no news this long ends (the client reconnects)
 
 
 def create_app(host: ServiceHost) -> FastAPI:
@@ -117,7 +123,7 @@ def create_app(host: ServiceHost) -> FastAPI:
     # ---- service ---------------------------------------------------------------------------
     @app.get("/healthz")
     def healthz():
-        return {"ok": True, "uptime_s": round(__import__("time").time() - host.started_at, 1)}
+        return {"ok": True, "uptime_s": round(time.time() - host.started_at, 1)}
 
     @app.get("/dashboard", include_in_schema=False)
     def dashboard():
@@ -234,6 +240,51 @@ def create_app(host: ServiceHost) -> FastAPI:
     def logs(job_id: str, since: int = Query(default=0, ge=0, le=10**9), t: str = Depends(tenant)):
         lines, nxt = host.job_logs(t, job_id, since)
         return {"lines": lines, "next": nxt}
+
+    @app.get("/v1/jobs/{job_id}/events")
+    async def job_events(job_id: str, request: Request, since: int = Query(default=0, ge=0, le=10**9),
+                         t: str = Depends(tenant)):
+        """Server-Sent Events: the job's state transitions, progress (one per metrics row) and error,
+        each with an id; a client that reconnects with `Last-Event-ID` (or `?since=`) gets every entry
+        after that one, once. The stream ends with an `end` event when the job has ended, or an `idle`
+        one after STREAM_IDLE_S without news (reconnect to go on); a comment line keeps it alive."""
+        await run_in_threadpool(host.job_entries, t, job_id, 10**9)  # 404 before a stream begins
+        last = request.headers.get("last-event-id", "").strip()
+        if last:
+            if not last.isdigit() or len(last) > 12:
+                raise invalid("last-event-id", f"expected an event id this stream sent, got {last[:40]!r}")
+            since = int(last)
+        hold = contextlib.ExitStack()
+        hold.enter_context(host.long_poll(t))  # counted with the tenant's long polls: 429 past the cap
+
+        async def stream():
+            try:
+                pos, news, alive = since, time.monotonic(), time.monotonic()
+                yield "retry: 2000\n\n"
+                while True:
+                    entries, nxt, state = await run_in_threadpool(host.job_entries, t, job_id, pos)
+                    for i, e in enumerate(entries):
+                        fields = {k: v for k, v in e["data"].items() if _finite(v)}  # JSON has no NaN
+                        data = json.dumps({"data": fields, "line": e["line"]}, default=str)
+                        yield f"id: {pos + i + 1}\nevent: {e['kind']}\ndata: {data}\n\n"
+                    pos, now = nxt, time.monotonic()
+                    if entries:
+                        news = alive = now
+                    elif state in ("succeeded", "failed", "cancelled"):
+                        yield f"event: end\ndata: {json.dumps({'state': state})}\n\n"
+                        return
+                    elif now - news > STREAM_IDLE_S:
+                        yield f"event: idle\ndata: {json.dumps({'after_s': STREAM_IDLE_S})}\n\n"
+                        return
+                    elif now - alive > 10.0:
+                        yield ": keepalive\n\n"
+                        alive = now
+                    await asyncio.sleep(STREAM_POLL_S)
+            finally:
+                hold.close()
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.get("/v1/jobs/{job_id}/metrics")
     def job_metrics(job_id: str, since: int = Query(default=0, ge=0, le=10**9), t: str = Depends(tenant)):
@@ -401,6 +452,14 @@ def _tenant_view(host: ServiceHost, t) -> dict:
 def _key_view(k) -> dict:
     return {"id": k.id, "name": k.name, "created_at": k.created_at, "revoked": k.revoked_at is not None,
             "last_used_at": k.last_used_at}
+
+
+def _finite(v) -> bool:
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, dict):
+        return all(_finite(x) for x in v.values())
+    return True
 
 
 async def _until_done(fut, timeout_s: float) -> None:

@@ -401,21 +401,31 @@ class ServiceHost:
         out = [{k: _num(v) for k, v in r.items()} for r in rows[since:]]
         return out, since + len(out)
 
-    def job_logs(self, tenant_id: str, job_id: str, since: int = 0) -> tuple[list[str], int]:
-        """State transitions and one line per metrics row, in time order, so that paging with
-        `since` only ever finds new lines at the end: what `vlamux logs -f` prints."""
+    def job_entries(self, tenant_id: str, job_id: str, since: int = 0) -> tuple[list[dict], int, str]:
+        """The job's record as one sequence in time order, from entry `since` on: its state
+        transitions (kind "state"), one "progress" entry per metrics row, and its "error" when it
+        failed; each with its `data` and a log `line`. New entries only ever come at the end, so a
+        position in it (an SSE event id, `logs?since=`) names the same entry on every read.
+        Returns (entries, the next position, the job's state)."""
         rec = self._job(tenant_id, job_id)
-        entries = [(e.at, f"{time.strftime('%H:%M:%S', time.localtime(e.at))} state {e.state}"
+        entries = [(e.at, "state", {"state": e.state, "detail": e.detail, "at": e.at},
+                    f"{time.strftime('%H:%M:%S', time.localtime(e.at))} state {e.state}"
                     + (f" ({e.detail})" if e.detail else "")) for e in self.store.job_events(rec.id)]
         rows, _ = self.job_metrics(tenant_id, job_id)
         for r in rows:
             parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in r.items()
                      if v not in ("", None) and k not in ("time_s", "at")]
-            entries.append((r.get("at") or 0.0, " ".join(parts)))
-        lines = [text for _, text in sorted(entries, key=lambda e: e[0])]
+            entries.append((r.get("at") or 0.0, "progress", r, " ".join(parts)))
+        entries.sort(key=lambda e: e[0])
         if rec.error and rec.state == "failed":
-            lines.append(f"error: {rec.error}")
-        return lines[since:], len(lines)
+            entries.append((time.time(), "error", {"error": rec.error}, f"error: {rec.error}"))
+        out = [{"kind": kind, "data": data, "line": line} for _, kind, data, line in entries[since:]]
+        return out, max(since, len(entries)), rec.state
+
+    def job_logs(self, tenant_id: str, job_id: str, since: int = 0) -> tuple[list[str], int]:
+        """The entries' log lines: what `vlamux logs -f` prints."""
+        entries, nxt, _ = self.job_entries(tenant_id, job_id, since)
+        return [e["line"] for e in entries], nxt
 
     def job_checkpoints(self, tenant_id: str, job_id: str) -> list[dict]:
         self._job(tenant_id, job_id)

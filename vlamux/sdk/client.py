@@ -202,14 +202,26 @@ class JobHandle:
         self.data = self._http.get(f"/v1/jobs/{self.id}")["job"]
         return self
 
+    def events(self, since: int = 0, timeout_s: float | None = None):
+        """The job's events as they happen (`vlamux.sdk.events.JobEvent`: state, progress, error),
+        from position `since` on, ending with an `end` event once the job has ended (or when
+        `timeout_s` has passed). Reconnects as needed; nothing is missed or repeated."""
+        from vlamux.sdk.events import follow
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        return follow(self._http.client, self.id, since, deadline)
+
     def wait(self, timeout_s: float | None = None, progress: bool = True, poll_s: float = 1.0) -> JobHandle:
-        """Poll until the job ends (any end: check `state`); a tqdm bar on stderr when `progress`.
+        """Wait until the job ends (any end: check `state`); a tqdm bar on stderr when `progress`.
+        Follows the job's event stream, and polls every `poll_s` where the server has none.
 
         Raises `WaitTimeoutError` (a `TimeoutError`) after `timeout_s`; the job goes on regardless.
         """
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         bar = _ProgressBar(self) if progress else None
         try:
+            if self._wait_streaming(deadline, bar, poll_s):
+                return self
             while True:
                 self.refresh()
                 if bar is not None:
@@ -224,12 +236,49 @@ class JobHandle:
             if bar is not None:
                 bar.close()
 
+    def _wait_streaming(self, deadline: float | None, bar, poll_s: float) -> bool:
+        """wait() over the event stream: True once the job has ended; False where the server has no
+        stream to give (then wait() polls)."""
+        from vlamux.sdk.errors import NotFoundError, RateLimitedError, ServiceUnavailableError
+
+        refreshed = 0.0
+        try:
+            for event in self.events(timeout_s=None if deadline is None else max(0.0, deadline - time.monotonic())):
+                now = time.monotonic()
+                if event.kind in ("state", "end", "error") or now - refreshed >= poll_s:
+                    self.refresh()  # the view (progress with its "of", state, result), at most every poll_s
+                    refreshed = now
+                    if bar is not None:
+                        bar.update(self.data)
+                if event.kind == "end":
+                    return True
+        except (NotFoundError, RateLimitedError, ServiceUnavailableError):
+            if self.refresh().done:
+                return True
+            return False  # an older server, or a stream that keeps breaking: poll instead
+        if self.refresh().done:
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            raise WaitTimeoutError(None, "timeout", f"job {self.id} still {self.state} after the timeout")
+        return False
+
     def logs(self, since: int = 0) -> list[str]:
         """Log lines from number `since` on: state changes, one line per metrics row, the error."""
         return self._http.get(f"/v1/jobs/{self.id}/logs", params={"since": since})["lines"]
 
     def follow_logs(self, poll_s: float = 1.0, since: int = 0):
-        """Yield log lines as they come, until the job ends."""
+        """Yield log lines as they come, until the job ends (from the event stream; by polling every
+        `poll_s` where the server has none)."""
+        from vlamux.sdk.errors import NotFoundError, RateLimitedError, ServiceUnavailableError
+
+        try:
+            for event in self.events(since):
+                if event.id is not None:
+                    since = event.id
+                    yield event.line
+            return
+        except (NotFoundError, RateLimitedError, ServiceUnavailableError):
+            pass  # an older server, or a stream that keeps breaking: poll from where it stopped
         while True:
             out = self._http.get(f"/v1/jobs/{self.id}/logs", params={"since": since})
             yield from out["lines"]

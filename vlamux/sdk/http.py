@@ -69,6 +69,11 @@ class HTTP:
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=self.timeout_s,
                                     transport=transport, follow_redirects=False)
 
+    @property
+    def client(self) -> httpx.Client:
+        """The underlying connection (its auth headers set): for streams, which `request` does not do."""
+        return self._client
+
     def close(self) -> None:
         self._client.close()
 
