@@ -116,16 +116,15 @@ def test_dashboard_in_a_browser(service, browser):
     assert "sft" in _css(browser, f"{row} .phase").text
     assert float(_css(browser, f"{row} .loss").text) == pytest.approx(rows[-1]["loss"], rel=1e-3)
 
-    # the learning curve, polled while the job ran: each poll appends the rows after ?since=N, and every
-    # row is drawn once
+    # the learning curve, pushed by the job's event stream while it ran (polled only without one), and
+    # every row drawn once
     loss = _css(browser, "#loss-chart")
     _wait(browser, f"{STEPS} points on the loss curve", lambda: loss.get_attribute("data-points") == str(STEPS))
     assert _css(browser, "#loss-chart path.series").get_attribute("d").count("L") == STEPS - 1
-    polled = browser.execute_script(
-        "return performance.getEntriesByType('resource').map(e => e.name).filter(n => n.includes('/metrics?since='))")
-    since = [int(u.rsplit("=", 1)[1]) for u in polled if f"/v1/jobs/{job_id}/" in u]
-    assert any(0 < n < STEPS for n in since), f"no poll while the job ran: {since}"
-    assert since == sorted(since) and since[-1] <= STEPS, since
+    fetched = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert any(u.endswith(f"/v1/jobs/{job_id}/events") for u in fetched), "the live curve did not stream"
+    since = [int(u.rsplit("=", 1)[1]) for u in fetched if f"/v1/jobs/{job_id}/metrics?since=" in u]
+    assert since == sorted(since) and (not since or since[-1] <= STEPS), since
     assert "Learning curve · t" in _css(browser, "#curve-title").text
     assert _css(browser, "#success-chart").get_attribute("data-points") == "0"
     assert "no environment steps" in _css(browser, "#success-chart").text

@@ -550,10 +550,12 @@
     }
     let c = state.curve;
     if (!c || c.jobId !== id) {
-      c = { jobId: id, next: 0, rows: [], final: false };
+      c = { jobId: id, next: 0, rows: [], final: false, streaming: false, lastEvent: 0 };
       state.curve = c;
+      const job = state.jobs.find((j) => j.id === id);
+      if (job && !TERMINAL.has(job.state)) streamCurve(c); // live: pushed as it happens
     }
-    if (!c.final) {
+    if (!c.final && !c.streaming) { // a finished job, or a server without event streams: poll
       const job = state.jobs.find((j) => j.id === id);
       const finished = job && TERMINAL.has(job.state); // read after the job ended: nothing more will come
       const r = await api(`/v1/jobs/${encodeURIComponent(id)}/metrics?since=${c.next}`);
@@ -563,6 +565,57 @@
       if (finished) c.final = true;
     }
     drawCurves();
+  }
+
+  // The selected live job's metric rows as they happen, from its Server-Sent Events (read with fetch:
+  // an EventSource cannot send the key). Reconnects with Last-Event-ID after the server's idle end;
+  // on any failure refreshCurve polls again from the rows already drawn.
+  async function streamCurve(c) {
+    c.streaming = true;
+    try {
+      while (!c.final && state.curve === c) {
+        const res = await fetch(`/v1/jobs/${encodeURIComponent(c.jobId)}/events`, {
+          headers: { Authorization: `Bearer ${state.key}`, "Last-Event-ID": String(c.lastEvent) },
+          cache: "no-store",
+        });
+        if (!res.ok || !res.body) return;
+        const reader = res.body.getReader();
+        const decoder = new TextDecoder();
+        let buf = "";
+        for (;;) {
+          const { value, done } = await reader.read();
+          if (done) break;
+          buf += decoder.decode(value, { stream: true });
+          let cut;
+          while ((cut = buf.indexOf("\n\n")) >= 0) {
+            const ev = {};
+            for (const line of buf.slice(0, cut).split("\n")) {
+              const k = line.indexOf(":");
+              if (k > 0) ev[line.slice(0, k)] = line.slice(k + 1).replace(/^ /, "");
+            }
+            buf = buf.slice(cut + 2);
+            if (!ev.data) continue;
+            if (ev.id) c.lastEvent = Number(ev.id);
+            const body = JSON.parse(ev.data);
+            if (ev.event === "progress") {
+              c.rows.push(body.data);
+              c.next = c.rows.length; // progress events are the metric rows, in order
+            } else if (ev.event === "end") {
+              c.final = true;
+            }
+          }
+          if (state.curve !== c) {
+            reader.cancel();
+            return;
+          }
+          drawCurves();
+        }
+      }
+    } catch (err) {
+      console.warn("job event stream ended; polling instead", err);
+    } finally {
+      c.streaming = false;
+    }
   }
 
   function drawCurves() {
