@@ -139,3 +139,12 @@ def train_grouped_and_serial(grouped, serial, requests_at, steps: int, tenants) 
             for t in tenants:
                 runner.optim_step(t).unwrap()
     return losses
+
+
+@pytest.fixture(scope="session")
+def postgres_url():
+    """A PostgreSQL server of the test session's own (tests/postgres.py), started on first use."""
+    from postgres import postgres_server
+
+    with postgres_server() as url:
+        yield url

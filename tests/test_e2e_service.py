@@ -1,6 +1,7 @@
 """End to end: `vlamux serve` as a real subprocess, two tenants, an SFT job and an RL job through
 the SDK; the server is killed (SIGKILL, mid-job) and started again on the same data directory; both
-jobs finish from their checkpoints, and nothing recorded before the kill is lost."""
+jobs finish from their checkpoints, and nothing recorded before the kill is lost. Once with the store
+in SQLite (the default), once on a real PostgreSQL server (tests/postgres.py)."""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(data_dir: Path, port: int, log: Path) -> subprocess.Popen:
+def _serve(data_dir: Path, port: int, log: Path, store_url: str | None = None) -> subprocess.Popen:
     from vlamux.api.server import spawn
 
-    return spawn(data_dir, port, log=log.open("a"), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    extra = ("--store-url", store_url) if store_url else ()
+    return spawn(data_dir, port, log=log.open("a"), env={**os.environ, "OMP_NUM_THREADS": "1"}, extra_args=extra)
 
 
 def _wait_for(cond, timeout_s: float, what: str):
@@ -41,15 +43,22 @@ def _wait_for(cond, timeout_s: float, what: str):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def test_jobs_survive_a_killed_server(tmp_path):
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+def test_jobs_survive_a_killed_server(tmp_path, request, store):
     from vlamux.data.demos import generate
     from vlamux.sdk import Client
+
+    store_url = None
+    if store == "postgresql":
+        from postgres import fresh_database
+
+        store_url = fresh_database(request.getfixturevalue("postgres_url"), "e2e")
 
     data_dir = tmp_path / "service"
     generate(["goal/touch-red-cube"], 6, data_dir / "datasets" / "tiny", image_size=32, workers=1, progress=None)
     port, log = _port(), tmp_path / "server.log"
     url = f"http://127.0.0.1:{port}"
-    proc = _serve(data_dir, port, log)
+    proc = _serve(data_dir, port, log, store_url)
     try:
         admin = Client(url, (data_dir / "admin.key").read_text().strip())
         _, key_a = admin.admin.create_tenant("alpha")
@@ -69,7 +78,7 @@ def test_jobs_survive_a_killed_server(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
 
-        proc = _serve(data_dir, port, log)
+        proc = _serve(data_dir, port, log, store_url)
         for job, client in ((sft, alpha), (rl, beta)):
             job = client.job(job.id)
             job.wait(timeout_s=300, progress=False)

@@ -1,7 +1,9 @@
-"""The service store on real SQLite files: secrets, tenant isolation, durability, concurrency."""
+"""The service store on a real SQLite file and on a real PostgreSQL server (tests/postgres.py): secrets,
+tenant isolation, durability, concurrency. Each test runs on both, unless it is about one of them."""
 
 import sqlite3
 import threading
+import uuid
 
 import pytest
 
@@ -11,21 +13,46 @@ from vlamux.store import store as store_mod
 SHA = "ab" * 32
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def open_store(request, tmp_path):
+    """open_store(name="svc") opens (again) the store `name` of this test: a SQLite file in tmp_path,
+    or a database of its own on the session's PostgreSQL server."""
+    urls: dict[str, str] = {}
+
+    def make(name: str = "svc") -> Store:
+        if request.param == "sqlite":
+            return Store(data_dir=tmp_path / name)
+        if name not in urls:
+            from postgres import fresh_database
+
+            urls[name] = fresh_database(request.getfixturevalue("postgres_url"), f"t_{uuid.uuid4().hex[:12]}")
+        return Store(urls[name])
+
+    make.kind = request.param
+    return make
+
+
 @pytest.fixture
-def store(tmp_path):
-    s = Store(data_dir=tmp_path / "svc")
+def store(open_store):
+    s = open_store()
     yield s
     s.close()
 
 
-def raw_dump(db_path) -> str:
-    """Every cell of every table, as text, read without SQLAlchemy."""
-    con = sqlite3.connect(db_path)
-    try:
-        tables = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")]
-        return "\n".join(repr(row) for t in tables for row in con.execute(f"SELECT * FROM {t}"))
-    finally:
-        con.close()
+def raw_dump(s: Store) -> str:
+    """Every cell of every table, as text, read with the database's own driver (not SQLAlchemy)."""
+    if s.url.startswith("sqlite"):
+        con = sqlite3.connect(s.url.removeprefix("sqlite:///"))
+        try:
+            tables = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+            return "\n".join(repr(row) for t in tables for row in con.execute(f"SELECT * FROM {t}"))
+        finally:
+            con.close()
+    import psycopg
+
+    with psycopg.connect(s.url.replace("postgresql+psycopg://", "postgresql://")) as con:
+        tables = [r[0] for r in con.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")]
+        return "\n".join(repr(row) for t in tables for row in con.execute(f'SELECT * FROM "{t}"'))
 
 
 def test_default_url_creates_sqlite_file_in_wal_mode(tmp_path):
@@ -39,7 +66,7 @@ def test_default_url_creates_sqlite_file_in_wal_mode(tmp_path):
     s.close()
 
 
-def test_key_secret_authenticates_and_only_its_hash_is_stored(store, tmp_path):
+def test_key_secret_authenticates_and_only_its_hash_is_stored(store):
     t = store.create_tenant("acme")
     key, secret = store.create_key(t.id, "ci")
     assert secret.startswith(f"vmx_{key.id}_") and len(secret) > 40
@@ -48,7 +75,7 @@ def test_key_secret_authenticates_and_only_its_hash_is_stored(store, tmp_path):
     assert got.last_used_at is not None
     assert store.authenticate(secret + "x") is None
     assert store.authenticate("") is None
-    dump = raw_dump(tmp_path / "svc" / "vlamux.db")
+    dump = raw_dump(store)
     assert secret not in dump
     assert secret.split("_", 2)[2] not in dump  # not even the random part
     assert store_mod._hash(secret) in dump
@@ -152,8 +179,8 @@ def test_bad_job_input_and_unknown_ids(store):
     assert [e.state for e in store.job_events(j.id)] == ["queued"]  # rejected calls wrote nothing
 
 
-def test_unfinished_jobs_survive_reopen(tmp_path):
-    s1 = Store(data_dir=tmp_path)
+def test_unfinished_jobs_survive_reopen(open_store):
+    s1 = open_store()
     t = s1.create_tenant("acme")
     queued = s1.create_job(t.id, "q", "sft", {}, "/w/q")
     running = s1.create_job(t.id, "r", "rl", {"env": "x"}, "/w/r")
@@ -164,7 +191,7 @@ def test_unfinished_jobs_survive_reopen(tmp_path):
     _, secret = s1.create_key(t.id)
     s1.close()
 
-    s2 = Store(data_dir=tmp_path)  # a restarted server
+    s2 = open_store()  # a restarted server
     assert [j.id for j in s2.unfinished_jobs()] == [queued.id, running.id]
     r = s2.get_job(running.id)
     assert r.state == "running" and r.progress == {"step": 7} and r.spec == {"env": "x"}
@@ -233,8 +260,8 @@ def test_tenant_crud_and_duplicate_name(store):
         store.set_quotas(t.id, ["not", "a", "dict"])
 
 
-def test_ensure_admin_key(tmp_path):
-    s = Store(data_dir=tmp_path)
+def test_ensure_admin_key(open_store):
+    s = open_store()
     first = s.ensure_admin_key(None)
     assert first is not None and s.authenticate(first).is_admin
     assert s.ensure_admin_key(None) is None  # one exists: nothing new
@@ -244,7 +271,7 @@ def test_ensure_admin_key(tmp_path):
     assert len(s.list_keys(None)) == 2
     s.close()
 
-    s = Store(data_dir=tmp_path)  # restart with the same configured secret: still valid, not duplicated
+    s = open_store()  # restart with the same configured secret: still valid, not duplicated
     assert s.ensure_admin_key("env-secret-123") is None and len(s.list_keys(None)) == 2
     admin = s.authenticate("env-secret-123")
     assert s.revoke_key(admin.id, None) is True
@@ -257,6 +284,40 @@ def test_ensure_admin_key(tmp_path):
     assert not s.authenticate(tenant_secret).is_admin
     s.close()
 
-    fresh = Store(data_dir=tmp_path / "fresh")  # first start with a configured secret uses it
+    fresh = open_store("fresh")  # first start with a configured secret uses it
     assert fresh.ensure_admin_key("boot") == "boot" and fresh.ensure_admin_key(None) is None
     fresh.close()
+
+
+def _writer(url: str, data_dir: str | None, tenant_id: str, job_ids: list[str], n: int) -> None:
+    """One server process's writes: usage rows and job transitions, through a Store of its own."""
+    s = Store(url, data_dir) if url else Store(data_dir=data_dir)
+    try:
+        for i in range(n):
+            s.record_usage_many([(tenant_id, "steps", 1, None), (tenant_id, "gpu_s", 0.5, job_ids[i % len(job_ids)])])
+            if i % 20 == 0:
+                s.set_job_state(job_ids[i % len(job_ids)], "running", detail=f"{tenant_id}:{i}")
+    finally:
+        s.close()
+
+
+def test_concurrent_writers_in_several_processes_lose_nothing(open_store):
+    """Four processes write to one store at once (as API hosts on one PostgreSQL would): every row
+    and every transition is there afterwards."""
+    import multiprocessing as mp
+
+    s = open_store()
+    t = s.create_tenant("many")
+    jobs = [s.create_job(t.id, f"j{i}", "sft", {}, "/w").id for i in range(4)]
+    url = None if s.url.startswith("sqlite") else s.url
+    data_dir = s.url.removeprefix("sqlite:///").rsplit("/", 1)[0] if url is None else None
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(url, data_dir, t.id, jobs, 100)) for _ in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0] * 4
+    assert s.usage_totals(t.id) == {t.id: {"steps": 400.0, "gpu_s": 200.0}}
+    assert sum(len(s.job_events(j)) - 1 for j in jobs) == 4 * 5  # 5 transitions per process, none lost
+    s.close()
