@@ -23,7 +23,7 @@ from safetensors.torch import load_file, safe_open
 
 from vlamux.model.backbones.base import Backbone
 from vlamux.model.backbones.builtin import PRESETS, BuiltinBackbone, BuiltinConfig, builtin_config_dict
-from vlamux.utils.io import atomic_save_safetensors
+from vlamux.utils.io import atomic_save_safetensors, tensors_sha256
 from vlamux.utils.seeding import seeded
 
 __all__ = ["Backbone", "BackboneSpec", "BuiltinBackbone", "BuiltinConfig", "PRESETS", "SHIPPED", "build_backbone",
@@ -90,10 +90,17 @@ def build_backbone(spec: BackboneSpec | None = None, device: str | torch.device 
     """Build, freeze and place a backbone."""
     spec = spec or BackboneSpec()
     if spec.kind == "builtin":
-        return _build_builtin(spec).to(device=device, dtype=dtype).freeze()
-    if spec.kind == "hf":  # loaded in its dtype (a bf16 checkpoint never passes through fp32)
-        return _build_hf(spec, dtype).to(device=device).freeze()
-    raise ValueError(f"unknown backbone kind {spec.kind!r}; choose one of ['builtin', 'hf']")
+        b = _build_builtin(spec)
+        # the weights as built (fp32, before any cast or move): the same on every machine and dtype
+        digest = tensors_sha256({k: v.detach().cpu() for k, v in b.state_dict().items()})
+        b = b.to(device=device, dtype=dtype).freeze()
+    elif spec.kind == "hf":  # loaded in its dtype (a bf16 checkpoint never passes through fp32)
+        b = _build_hf(spec, dtype).to(device=device).freeze()
+        digest = b.model_dir.identity(full=True)
+    else:
+        raise ValueError(f"unknown backbone kind {spec.kind!r}; choose one of ['builtin', 'hf']")
+    b.content_sha256 = digest  # what a downloaded policy names, so that it runs on this backbone only
+    return b
 
 
 def save_backbone(backbone: BuiltinBackbone, path: str | Path) -> None:

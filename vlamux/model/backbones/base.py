@@ -95,4 +95,5 @@ class Backbone(nn.Module, abc.ABC):
         resident = sum(t.numel() * t.element_size() for t in [*self.parameters(), *self.buffers()])
         return {"id": self.backbone_id, "kind": self.kind, "parameters": self.num_parameters(),
                 "dtype": str(self.dtype).removeprefix("torch."), "device": str(self.device), "resident_bytes": resident,
-                "hidden_dim": m.hidden_dim, "layers": m.n_layers, "tokens_per_camera": m.patches_per_camera}
+                "hidden_dim": m.hidden_dim, "layers": m.n_layers, "tokens_per_camera": m.patches_per_camera,
+                "sha256": getattr(self, "content_sha256", None)}

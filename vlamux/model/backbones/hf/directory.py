@@ -38,9 +38,10 @@ class ModelDir:
         """Made by `vlamux backbone init`: random weights, for tests and demos."""
         return bool(self.config.get("vlamux_random_weights"))
 
-    def identity(self) -> str:
-        """A short content hash: the config, and each weight file's size, first and last MiB. Cheap
-        (no pass over gigabytes) yet different for any two directories a user would confuse."""
+    def identity(self, full: bool = False) -> str:
+        """A content hash (short, or all 64 hex digits): the config, and each weight file's size, first
+        and last MiB. Cheap (no pass over gigabytes) yet different for any two directories a user would
+        confuse."""
         h = hashlib.sha256(json.dumps(self.config, sort_keys=True).encode())
         for f in self.weight_files:
             size = f.stat().st_size
@@ -50,7 +51,7 @@ class ModelDir:
                 if size > 2 << 20:
                     fh.seek(-(1 << 20), 2)
                     h.update(fh.read(1 << 20))
-        return h.hexdigest()[:12]
+        return h.hexdigest() if full else h.hexdigest()[:12]
 
 
 def _json(path: Path) -> dict:

@@ -1,0 +1,121 @@
+"""A tenant's policy as one file, and running it with no server.
+
+    import vlamux.policy
+    policy = vlamux.policy.load("acme.policy.safetensors", backbone="tiny-tabletop")   # or a model dir
+    out = policy.act(obs)            # float32 [B, H, A]: the chunk the service returns for obs
+
+The file (safetensors) holds the tenant's module only: the head's and adapter's weights and the
+normalisation statistics, the head's spec, the policy version, and the backbone's id and content hash;
+never the shared backbone's weights. `load` refuses a backbone whose content hash differs, naming
+both. Inference is the service's own code path (`ModelRunner` with one slot), so the actions are the
+service's for the same observation: exactly with `deterministic=True`, and for a seeded sampler,
+those of a replica whose slot starts from the same seed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from vlamux.errors import CorruptCheckpointError, IncompatibleError
+from vlamux.model import BackboneSpec, HeadSpec, build_backbone
+from vlamux.model.backbones import spec_from_arg
+from vlamux.model.backbones.base import Backbone
+from vlamux.model.group import Sample
+from vlamux.model.runner import ModelRunner
+from vlamux.model.slot import PolicySnapshot
+from vlamux.utils.io import atomic_save_safetensors, tensors_sha256
+
+FORMAT = "vlamux.policy/1"
+TENANT = "policy"  # the one slot of a standalone runner
+
+
+def write_policy(snap: PolicySnapshot, backbone: Backbone, path: str | Path) -> Path:
+    """`snap` (a slot's `export_policy()`) as a policy file for `backbone`, the one it was trained on."""
+    tensors = {k: v.detach().cpu().contiguous() for k, v in snap.ready().tensors.items() if isinstance(v, torch.Tensor)}
+    meta = {"format": FORMAT, "head_spec": snap.head_spec.to_json(), "stats_modes": json.dumps(snap.stats_modes),
+            "policy_version": str(snap.version), "backbone_id": snap.backbone_id,
+            "backbone_sha256": backbone_sha256(backbone), "content_sha256": tensors_sha256(tensors)}
+    atomic_save_safetensors(tensors, path, meta)
+    return Path(path)
+
+
+def backbone_sha256(backbone: Backbone) -> str:
+    digest = getattr(backbone, "content_sha256", None)
+    if digest is None:  # built by hand, not by build_backbone: hash what it holds
+        digest = tensors_sha256({k: v.detach().float().cpu() for k, v in backbone.state_dict().items()})
+        backbone.content_sha256 = digest
+    return digest
+
+
+def read_policy(path: str | Path) -> tuple[dict, dict]:
+    """A policy file's tensors and metadata, verified (readable, its digest, finite)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"policy file not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - safetensors' own error types
+        raise CorruptCheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
+    if meta.get("format") != FORMAT:
+        raise IncompatibleError(f"{path}: not a vlamux policy file (format={meta.get('format')!r})")
+    if tensors_sha256(tensors) != meta.get("content_sha256"):
+        raise CorruptCheckpointError(f"{path}: its tensors do not match the sha256 they were written with")
+    bad = next((k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if bad is not None:
+        raise CorruptCheckpointError(f"{path}: tensor {bad!r} holds NaN or infinite values")
+    return tensors, meta
+
+
+class Policy:
+    """A loaded policy: its backbone (frozen, yours) and its module, in a runner of its own."""
+
+    def __init__(self, runner: ModelRunner, meta: dict):
+        self.runner, self.meta = runner, meta
+        self.head_spec = HeadSpec.from_json(meta["head_spec"])
+        self.version = int(meta["policy_version"])
+
+    @property
+    def backbone(self) -> Backbone:
+        return next(iter(self.runner.backbones.values()))
+
+    def act(self, obs, deterministic: bool = True, seed: int | None = None) -> np.ndarray:
+        """The action chunk for each row of `obs` (the wire layout: ``{"images": {cam: uint8 [B, 3,
+        H, W]}, "state": float32 [B, S], "instructions": [str] * B}``, or an env observation with
+        "instruction"): float32 [B, H, A]. seed: restart the sampler's random stream from it first."""
+        from vlamux.model.device import to_numpy
+        from vlamux.services.environment import obs_to_observation
+
+        if isinstance(obs, dict) and "instructions" in obs and "instruction" not in obs:
+            obs = {**obs, "instruction": obs["instructions"]}
+        if seed is not None:
+            self.runner.slot(TENANT).generator.manual_seed(int(seed))
+        out = self.runner.execute([Sample(TENANT, obs_to_observation(obs), deterministic)])[0].unwrap()
+        return to_numpy(out["actions"])
+
+
+def load(path: str | Path, backbone: str | BackboneSpec | Backbone, device: str = "cpu",
+         dtype: torch.dtype = torch.float32) -> Policy:
+    """Load a policy file onto `backbone` (a preset or shipped weights name, a model directory, a
+    BackboneSpec, or a built backbone), on `device`. Refuses a backbone other than the policy's own."""
+    tensors, meta = read_policy(path)
+    if isinstance(backbone, str):
+        backbone = spec_from_arg(backbone)
+    if isinstance(backbone, BackboneSpec):
+        backbone = build_backbone(backbone, device=device, dtype=dtype)
+    theirs, mine = meta["backbone_sha256"], backbone_sha256(backbone)
+    if theirs != mine:
+        raise IncompatibleError(f"{path}: trained on backbone {meta['backbone_id']!r} (sha256 {theirs[:16]}...), "
+                                f"not on {backbone.backbone_id!r} (sha256 {mine[:16]}...)")
+    runner = ModelRunner(backbone)
+    snap = PolicySnapshot(TENANT, int(meta["policy_version"]), backbone.backbone_id,
+                          HeadSpec.from_json(meta["head_spec"]), tensors, json.loads(meta["stats_modes"]))
+    runner.apply_policy(snap)
+    return Policy(runner, meta)
