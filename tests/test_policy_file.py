@@ -69,3 +69,53 @@ def test_a_policy_file_refuses_another_backbone_and_damage(rt, tmp_path):
     bad.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError):
         vlamux.policy.load(bad, backbone="tiny")
+
+
+def test_a_policy_downloaded_over_the_api_acts_as_the_service_and_versions_are_kept(tmp_path):
+    """Through `vlamux serve` (in-process): a training slot steps, saves (version 2), steps again; the
+    live download and the version-2 download each act as the service did at that version; another
+    tenant's id answers 404; the CLI writes the same file."""
+    from api_server import running_server
+    from click.testing import CliRunner
+
+    from vlamux.cli import main
+    from vlamux.sdk import Client, NotFoundError
+
+    with running_server(tmp_path / "svc") as (url, admin_key, host):
+        admin = Client(url, admin_key)
+        _, key = admin.admin.create_tenant("dl", {"requests_per_s": 10000})
+        _, other_key = admin.admin.create_tenant("other", {"requests_per_s": 10000})
+        c = Client(url, key)
+        tc = c.training_client(head={"kind": "gaussian", "action_dim": 4, "horizon": 4, "state_dim": 8}, seed=2)
+        wire_obs = {**_obs(), "instructions": _obs()["instruction"]}
+        del wire_obs["instruction"]
+        acts = (np.random.default_rng(0).uniform(-1, 1, (3, 4, 4))).astype(np.float32)
+        for _ in range(2):
+            tc.forward_backward(wire_obs, acts)
+            tc.optim_step().result(timeout=60)
+        tc.save_state().result(timeout=60)
+        at_v2 = tc.policy().predict(wire_obs, deterministic=True)
+        tc.forward_backward(wire_obs, acts)
+        tc.optim_step().result(timeout=60)
+        live = tc.policy().predict(wire_obs, deterministic=True)
+        assert live["policy_version"] == 3 and not np.array_equal(live["actions"], at_v2["actions"])
+
+        p_live = tc.policy().download(str(tmp_path / "live.safetensors"))
+        p_v2 = tc.policy().download(str(tmp_path / "v2.safetensors"), version=2)
+        for path, want in ((p_live, live), (p_v2, at_v2)):
+            policy = vlamux.policy.load(path, backbone="tiny")
+            assert policy.version == want["policy_version"]
+            np.testing.assert_array_equal(policy.act(wire_obs), want["actions"])
+        with pytest.raises(NotFoundError):
+            tc.policy().download(str(tmp_path / "none.safetensors"), version=7)
+        with pytest.raises(NotFoundError):
+            Client(url, other_key).policy(tc.id).download(str(tmp_path / "theirs.safetensors"))
+        assert not (tmp_path / "theirs.safetensors").exists()
+        assert not list((tmp_path / "svc").rglob("downloads/*.safetensors"))  # sent, then removed
+
+        env = {"VLAMUX_URL": None, "VLAMUX_API_KEY": None}
+        r = CliRunner(env=env).invoke(main, ["--url", url, "--key", key, "policies", "download", tc.id, "--version",
+                                             "2", "--out", str(tmp_path / "cli.safetensors")])
+        assert r.exit_code == 0 and "wrote" in r.output, r.output
+        cli = vlamux.policy.load(tmp_path / "cli.safetensors", backbone="tiny")
+        np.testing.assert_array_equal(cli.act(wire_obs), at_v2["actions"])

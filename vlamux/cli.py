@@ -407,11 +407,23 @@ def datasets(ctx) -> None:
         click.echo(d["name"])
 
 
-@main.command()
+@main.group(cls=_Group, invoke_without_command=True)
 @click.pass_context
 def policies(ctx) -> None:
-    """The tenant's policies (one per job, one per training slot)."""
-    _table(_client(ctx).policies(), ["id", "source", "name", "policy_version"])
+    """The tenant's policies (one per job, one per training slot); `download` saves one as a file."""
+    if ctx.invoked_subcommand is None:
+        _table(_client(ctx).policies(), ["id", "source", "name", "policy_version"])
+
+
+@policies.command("download")
+@click.argument("policy_id")
+@click.option("--version", type=int, default=None, help="A checkpoint's policy version (default: the live one).")
+@click.option("--out", "-o", default=None, help="The file to write (default: the server's name for it, here).")
+@click.pass_context
+def policies_download(ctx, policy_id: str, version: int | None, out: str | None) -> None:
+    """Save policy POLICY_ID as one file: run it with vlamux.policy.load(FILE, backbone=...)."""
+    path = _client(ctx).policy(policy_id).download(out, version)
+    click.echo(f"wrote {path}")
 
 
 @main.command()

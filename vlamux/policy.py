@@ -35,14 +35,26 @@ FORMAT = "vlamux.policy/1"
 TENANT = "policy"  # the one slot of a standalone runner
 
 
-def write_policy(snap: PolicySnapshot, backbone: Backbone, path: str | Path) -> Path:
-    """`snap` (a slot's `export_policy()`) as a policy file for `backbone`, the one it was trained on."""
+def write_policy(snap: PolicySnapshot, backbone: Backbone | str, path: str | Path) -> Path:
+    """`snap` (a slot's `export_policy()`, or `snapshot_of` a checkpoint) as a policy file for
+    `backbone` (the one it was trained on, or its content hash)."""
     tensors = {k: v.detach().cpu().contiguous() for k, v in snap.ready().tensors.items() if isinstance(v, torch.Tensor)}
+    digest = backbone if isinstance(backbone, str) else backbone_sha256(backbone)
     meta = {"format": FORMAT, "head_spec": snap.head_spec.to_json(), "stats_modes": json.dumps(snap.stats_modes),
             "policy_version": str(snap.version), "backbone_id": snap.backbone_id,
-            "backbone_sha256": backbone_sha256(backbone), "content_sha256": tensors_sha256(tensors)}
+            "backbone_sha256": digest, "content_sha256": tensors_sha256(tensors)}
     atomic_save_safetensors(tensors, path, meta)
     return Path(path)
+
+
+def snapshot_of(slot_file: str | Path) -> PolicySnapshot:
+    """The policy in a slot checkpoint (verified): its module and statistics, without the optimizer."""
+    from vlamux.model.slot import read_slot_file
+
+    tensors, meta = read_slot_file(slot_file)
+    keep = {k: v for k, v in tensors.items() if k.startswith(("head.", "adapter.", "stats."))}
+    return PolicySnapshot(meta["tenant"], int(tensors["version"][0]), meta["backbone_id"],
+                          HeadSpec.from_json(meta["head_spec"]), keep, json.loads(meta["stats_modes"]))
 
 
 def backbone_sha256(backbone: Backbone) -> str:

@@ -21,6 +21,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlamux.api import wire
@@ -307,6 +308,18 @@ def create_app(host: ServiceHost) -> FastAPI:
     @app.get("/v1/policies/{policy_id}/versions")
     def versions(policy_id: str, t: str = Depends(tenant)):
         return host.policy_versions(t, policy_id)
+
+    @app.get("/v1/policies/{policy_id}/download")
+    def download_policy(policy_id: str, version: int | None = Query(default=None, ge=0, le=10**12),
+                        t: str = Depends(tenant)):
+        """The policy as one safetensors file (vlamux.policy.load runs it without a server): the
+        tenant's module, spec and statistics and the backbone's id and content hash, never the
+        backbone's weights. `version`: a checkpoint's policy version (default: the live one)."""
+        path, served = host.policy_file(t, policy_id, version)
+        name = host.policy_view(t, policy_id)["name"]
+        return FileResponse(path, media_type="application/octet-stream",
+                            filename=f"{name}-v{served}.policy.safetensors",
+                            background=BackgroundTask(path.unlink, missing_ok=True))
 
     @app.post("/v1/policies/{policy_id}/predict", openapi_extra=MSGPACK, responses=MSGPACK_OUT)
     def predict(policy_id: str, t: str = Depends(tenant), raw: bytes = Depends(msgpack_body)):

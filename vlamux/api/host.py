@@ -427,6 +427,42 @@ class ServiceHost:
         entries, nxt, _ = self.job_entries(tenant_id, job_id, since)
         return [e["line"] for e in entries], nxt
 
+    def policy_file(self, tenant_id: str, policy_id: str, version: int | None = None) -> tuple[Path, int]:
+        """A policy file (vlamux.policy) of the tenant's policy: version `version` (a checkpoint's),
+        or the live one. Written under the tenant's directory; the caller deletes it once sent."""
+        from vlamux.policy import snapshot_of, write_policy
+
+        rec = self._policy(tenant_id, policy_id)
+        if rec.kind == "slot":
+            _usable(rec)
+        key = slot_key(tenant_id, policy_id)
+        out_dir = self.data_dir / "tenants" / tenant_id / "downloads"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out_dir / f"{uuid.uuid4().hex}.slot.safetensors"
+        try:
+            if version is None and key in self.runtime.training.tenants():
+                self.runtime.save_state(key, tmp).result(120)  # the live version, as the trainer holds it
+                source = tmp
+            else:
+                cps = self.store.list_checkpoints(tenant_id, **({"policy_id": policy_id} if rec.kind == "slot"
+                                                                  else {"job_id": policy_id}))
+                cps = [c for c in cps if version is None or c.policy_version == version]
+                if not cps:
+                    have = sorted({c.policy_version for c in self.store.list_checkpoints(tenant_id, policy_id=policy_id)}
+                                  | {c.policy_version for c in self.store.list_checkpoints(tenant_id, job_id=policy_id)})
+                    raise NotFound(f"policy {policy_id!r} has no checkpoint of version {version}; versions: {have}")
+                self._verify(cps[0])
+                source = Path(cps[0].path)
+            snap = snapshot_of(source)
+        finally:
+            tmp.unlink(missing_ok=True)
+        sha = next((b.get("sha256") for b in self.runtime.describe_backbones() if b["id"] == snap.backbone_id), None)
+        if sha is None:
+            raise Conflict(f"policy {policy_id!r} was trained on backbone {snap.backbone_id!r}, which this service "
+                           f"no longer holds: its content hash is unknown")
+        path = write_policy(snap, sha, out_dir / f"{uuid.uuid4().hex}.policy.safetensors")
+        return path, snap.version
+
     def job_checkpoints(self, tenant_id: str, job_id: str) -> list[dict]:
         self._job(tenant_id, job_id)
         return [_checkpoint_view(c) for c in self.store.list_checkpoints(tenant_id, job_id=job_id)]

@@ -130,6 +130,30 @@ class HTTP:
             delay = retry_after + random.uniform(0.0, min(1.0, 0.1 * retry_after + 0.05))
         return delay
 
+    def download(self, path: str, out: str | None, params: dict | None = None) -> str:
+        """GET `path` into the file `out` (default: the server's filename, here), streamed; its path."""
+        import os
+        import re
+        import tempfile
+
+        params = {k: v for k, v in (params or {}).items() if v is not None}
+        with self._client.stream("GET", path, params=params, timeout=httpx.Timeout(self.timeout_s, connect=10.0)) as r:
+            if r.status_code >= 400:
+                r.read()
+                raise _error(r)
+            m = re.search(r'filename="?([^";]+)"?', r.headers.get("content-disposition", ""))
+            out = out or os.path.basename(m.group(1) if m else "policy.safetensors")
+            fd, tmp = tempfile.mkstemp(prefix=".download-", dir=os.path.dirname(os.path.abspath(out)))
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    for chunk in r.iter_bytes(1 << 20):
+                        f.write(chunk)
+                os.replace(tmp, out)  # whole or not at all
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        return out
+
     # ---- conveniences -----------------------------------------------------------------------
     def get(self, path: str, **kw) -> Any:
         return self.request("GET", path, **kw)

@@ -23,6 +23,12 @@ class PolicyClient:
         """``{"id", "source", "name", "head", "policy_version", "created_at"}``."""
         return self._http.get(f"/v1/policies/{self.id}")["policy"]
 
+    def download(self, path: str | None = None, version: int | None = None) -> str:
+        """Save the policy (`version`: a checkpoint's; default the live one) as a file that
+        `vlamux.policy.load(path, backbone=...)` runs with no server; returns its path (default:
+        the name the server gives it, in the current directory)."""
+        return self._http.download(f"/v1/policies/{self.id}/download", path, params={"version": version})
+
     def versions(self) -> dict:
         """``{"live": N or None, "checkpoints": [...]}``."""
         return self._http.get(f"/v1/policies/{self.id}/versions")
