@@ -191,6 +191,8 @@ def _valid_request(method: str, path: str, w) -> dict:
         "GET /v1/jobs/{job_id}/logs": lambda: {},
         "GET /v1/jobs/{job_id}/metrics": lambda: {},
         "GET /v1/jobs/{job_id}/checkpoints": lambda: {},
+        "GET /v1/jobs/{job_id}/events": lambda: {},
+        "GET /v1/policies/{policy_id}/download": lambda: {},
         "GET /v1/policies/{policy_id}": lambda: {},
         "GET /v1/policies/{policy_id}/versions": lambda: {},
         "GET /v1/futures/{future_id}": lambda: {},
