@@ -114,6 +114,14 @@ def world(svc):
     checkpoint = saved["result"]["checkpoint"]
     session = ok(c.post("/v1/sessions", json={"env": ENV, "n_envs": 2}, headers=A), 201).json()["session"]
     ok(c.post(f"/v1/sessions/{session['id']}/reset", json={"seed": 3}, headers=A))
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as t:
+        t.add(svc.root / "datasets" / "tiny", arcname="tiny")
+    ok(c.post("/v1/datasets", params={"name": "acme-data-zz"}, content=buf.getvalue(),
+              headers={**A, "Content-Type": "application/x-tar"}), 201)
     default_key = ok(c.get("/v1/keys", headers=A)).json()["keys"][0]
     extra = ok(c.post("/v1/keys", json={"name": "acme-extra-key"}, headers=A), 201).json()
 
@@ -132,6 +140,7 @@ def world(svc):
 
     ids = {"tenant": a_id, "job": job["id"], "slot": slot["id"], "future": fb["id"], "session": session["id"],
            "key": default_key["id"], "extra_key": extra["key"]["id"], "checkpoint": checkpoint["id"],
+           "dataset": "acme-data-zz",
            **{f"job_checkpoint_{i}": cp["id"] for i, cp in enumerate(job_cps)}}
     # Everything of A's that B must never see: ids, names, secrets and numbers of A's state.
     secrets = {**ids, "name": "acme-zq7x", "slot_name": "acme-slot-qq", "extra_key_name": "acme-extra-key",
@@ -193,6 +202,7 @@ def _valid_request(method: str, path: str, w) -> dict:
         "GET /v1/jobs/{job_id}/checkpoints": lambda: {},
         "GET /v1/jobs/{job_id}/events": lambda: {},
         "GET /v1/policies/{policy_id}/download": lambda: {},
+        "DELETE /v1/datasets/{name}": lambda: {},
         "GET /v1/policies/{policy_id}": lambda: {},
         "GET /v1/policies/{policy_id}/versions": lambda: {},
         "GET /v1/futures/{future_id}": lambda: {},
@@ -205,9 +215,10 @@ def _valid_request(method: str, path: str, w) -> dict:
 
 # Which of A's ids fill each path parameter (a job's policy id is its job id: both are policies).
 PARAM_IDS = {"policy_id": ["slot", "job"], "job_id": ["job"], "future_id": ["future"], "session_id": ["session"],
-             "key_id": ["key", "extra_key"], "tenant_id": ["tenant"]}
+             "key_id": ["key", "extra_key"], "tenant_id": ["tenant"], "name": ["dataset"]}
 # Calls that change A's resources irreversibly: A's own control call for these is made at the end.
-DESTRUCTIVE = {"DELETE /v1/sessions/{session_id}", "DELETE /v1/keys/{key_id}", "POST /v1/tenants/{tenant_id}/disable"}
+DESTRUCTIVE = {"DELETE /v1/sessions/{session_id}", "DELETE /v1/keys/{key_id}", "POST /v1/tenants/{tenant_id}/disable",
+               "DELETE /v1/datasets/{name}"}
 
 
 def id_calls(app, w):
@@ -332,7 +343,7 @@ def test_list_endpoints_show_only_the_callers_resources(svc, world):
     assert lists["/v1/jobs"].json()["jobs"] == []
     assert len(lists["/v1/keys"].json()["keys"]) == 1
     assert list(lists["/v1/usage"].json()["usage"]) == [w.b_id]
-    assert lists["/v1/datasets"].json()["datasets"] == [{"name": "tiny"}]  # shared by design
+    assert lists["/v1/datasets"].json()["datasets"] == [{"name": "tiny", "public": True}]  # A's own is not there
     # And A sees its own.
     a_policies = {p["id"] for p in ok(c.get("/v1/policies", headers=w.A)).json()["policies"]}
     assert a_policies == {w.ids["slot"], w.ids["job"]}

@@ -399,12 +399,32 @@ def usage(ctx, tenant_id: str | None) -> None:
            ["tenant", "backbone_s", "head_s", "env_steps", "requests", "stored_bytes"])
 
 
-@main.command()
+@main.group(cls=_Group, invoke_without_command=True)
 @click.pass_context
 def datasets(ctx) -> None:
-    """The datasets on the service (names for a spec's sft.dataset)."""
-    for d in _client(ctx).datasets():
-        click.echo(d["name"])
+    """The datasets a job may name in sft.dataset: the service's (public) and yours; `upload` adds one."""
+    if ctx.invoked_subcommand is None:
+        for d in _client(ctx).datasets():
+            click.echo(f"{d['name']}  {'public' if d.get('public', True) else 'yours'}")
+
+
+@datasets.command("upload")
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
+@click.option("--name", default=None, help="Its name in job specs (default: the directory's name).")
+@click.pass_context
+def datasets_upload(ctx, path: Path, name: str | None) -> None:
+    """Upload LeRobot dataset PATH (a directory, or a .tar/.tar.gz of one) as your private dataset."""
+    d = _client(ctx).upload_dataset(str(path), name)
+    click.echo(f"dataset {d['name']}: {d['episodes']} episodes, {d['frames']} frames, {d['bytes']} bytes")
+
+
+@datasets.command("delete")
+@click.argument("name")
+@click.pass_context
+def datasets_delete(ctx, name: str) -> None:
+    """Delete your dataset NAME."""
+    _client(ctx).delete_dataset(name)
+    click.echo(f"dataset {name} deleted")
 
 
 @main.group(cls=_Group, invoke_without_command=True)

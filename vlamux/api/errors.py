@@ -69,6 +69,9 @@ def translate(e: Exception) -> JSONResponse:
                                                f"in the service's log")
 
 
+UPLOAD_TYPES = (b"application/x-tar", b"application/gzip", b"application/x-gzip", b"application/octet-stream")
+
+
 class BodyLimit:
     """413 for a body over `limit` bytes (`json_limit` for any body that is not msgpack): at once when
     content-length says so, else as it streams in.
@@ -77,16 +80,24 @@ class BodyLimit:
     reads it (FastAPI's JSON parsing or `msgpack_body`). JSON bodies are specs and small settings, and
     FastAPI parses them on the event loop, so their limit is far below that of array payloads."""
 
-    def __init__(self, app, limit: int, json_limit: int | None = None, read_timeout_s: float = 60.0):
+    def __init__(self, app, limit: int, json_limit: int | None = None, read_timeout_s: float = 60.0,
+                 upload_limit: int | None = None):
         self.app, self.max_bytes, self.read_timeout_s = app, limit, read_timeout_s
         self.json_limit = limit if json_limit is None else min(limit, json_limit)
+        self.upload_limit = limit if upload_limit is None else upload_limit
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
+        headers, upload = dict(scope.get("headers") or []), False
         ctype = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
-        limit = self.max_bytes if ctype in (b"application/msgpack", b"application/x-msgpack") else self.json_limit
+        if ctype in (b"application/msgpack", b"application/x-msgpack"):
+            limit = self.max_bytes
+        elif ctype in UPLOAD_TYPES and scope.get("path") == "/v1/datasets":  # streamed to disk, not parsed
+            limit = self.upload_limit
+            upload = True
+        else:
+            limit = self.json_limit
         length = headers.get(b"content-length")
         if length is not None:
             try:
@@ -101,9 +112,10 @@ class BodyLimit:
                     scope, receive, send)
         seen, complete = 0, False
         deadline = asyncio.get_running_loop().time() + self.read_timeout_s
+        # an upload may take long as a whole: for it the timeout is per chunk (a stalled sender)
 
         async def counted():
-            nonlocal seen, complete
+            nonlocal seen, complete, deadline
             if complete:  # after the body: a wait for the client's disconnect, which has no deadline
                 return await receive()
             try:  # a client that trickles its body (or stops) must not hold the request for ever
@@ -111,6 +123,8 @@ class BodyLimit:
             except asyncio.TimeoutError:
                 raise StarletteHTTPException(408, f"body: not received within {self.read_timeout_s:g} s") from None
             complete = message["type"] != "http.request" or not message.get("more_body", False)
+            if upload:
+                deadline = asyncio.get_running_loop().time() + self.read_timeout_s
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:  # handled by the app's HTTPException handler: 413 in our format

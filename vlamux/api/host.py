@@ -15,6 +15,8 @@ import csv
 import hashlib
 import logging
 import os
+import re
+import shutil
 import threading
 import time
 import uuid
@@ -34,7 +36,8 @@ from vlamux.store import Store
 log = logging.getLogger(__name__)
 
 DEFAULT_QUOTAS = {"max_concurrent_jobs": 4, "max_training_slots": 8, "max_env_sessions": 8, "max_envs": 64,
-                  "max_env_processes": 16, "requests_per_s": 50.0}
+                  "max_env_processes": 16, "max_dataset_mb": 2048, "requests_per_s": 50.0}
+DATASET_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 FUTURE_TTL_S = 600.0  # a finished future's result is kept this long for the client to read
 
 
@@ -68,6 +71,7 @@ class ServiceConfig:
     ray_address: str | None = None  # None: the embedded runtime; "local": a Ray instance of its own
     max_body_mb: float = 64.0  # msgpack bodies (observations, action batches)
     max_json_kb: float = 1024.0  # every other body (job specs, settings): parsed on the event loop
+    max_upload_mb: float = 4096.0  # a dataset archive (streamed to disk)
     body_timeout_s: float = 60.0  # a request body must arrive whole within this long (else 408)
     max_waits_per_tenant: int = 8  # long polls (GET /v1/futures/{id}?wait=) of one tenant at once
     auth_cache_s: float = 5.0  # keys and quotas changed outside this host take effect within this long
@@ -122,6 +126,7 @@ class ServiceHost:
         self.ledger = Ledger({"processes": cap if cap is not None else 8 * (os.cpu_count() or 1)})
         self._futures: dict[str, _Future] = {}
         self._waits: dict[str, int] = {}
+        self._dataset_locks: dict[str, threading.Lock] = {}
         self._own_ray = False
         self._lock = threading.Lock()
         self.started_at = time.time()
@@ -141,7 +146,7 @@ class ServiceHost:
     def _build_runtime(self):
         from vlamux.model import BackboneSpec
 
-        env = {"allowed_dataset_roots": [self.data_dir / "datasets"]}
+        env = {"allowed_dataset_roots": [self.data_dir / "datasets", self.data_dir / "tenants"]}
         if self.config.ray_address:
             import ray
 
@@ -283,24 +288,74 @@ class ServiceHost:
         sft = raw.get("sft")
         if isinstance(sft, dict) and "dataset" in sft:
             sft = dict(sft)
-            sft["dataset"] = str(self.dataset_path(sft["dataset"], "sft.dataset"))
+            sft["dataset"] = str(self.dataset_path(sft["dataset"], "sft.dataset", tenant_id))
             raw["sft"] = sft
         spec = load_spec(raw)
         _check_envs(spec, self.config.gym_envs)
         return spec
 
-    def dataset_path(self, name, field_name: str) -> Path:
-        root = (self.data_dir / "datasets").resolve()
-        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name.startswith("."):
-            raise JobSpecError(f"{field_name}: the name of a dataset of this service (GET /v1/datasets), got {name!r}")
-        path = root / name
-        if not (path / "meta" / "info.json").exists():
-            raise JobSpecError(f"{field_name}: no dataset {name!r} on this service (GET /v1/datasets)")
-        return path
+    def _own_datasets(self, tenant_id: str) -> Path:
+        return self.data_dir / "tenants" / tenant_id / "datasets"
 
-    def datasets(self) -> list[dict]:
-        root = self.data_dir / "datasets"
-        return [{"name": p.name} for p in sorted(root.iterdir()) if (p / "meta" / "info.json").exists()]
+    def dataset_path(self, name, field_name: str, tenant_id: str | None = None) -> Path:
+        """A dataset a job of `tenant_id` may read: its own (uploaded) one of that name, else the
+        service's public one. Another tenant's datasets do not exist for it."""
+        if not isinstance(name, str) or not DATASET_NAME.fullmatch(name):
+            raise JobSpecError(f"{field_name}: the name of a dataset (GET /v1/datasets), got {str(name)[:80]!r}")
+        for root in ([self._own_datasets(tenant_id)] if tenant_id else []) + [self.data_dir / "datasets"]:
+            if (root / name / "meta" / "info.json").exists():
+                return (root / name).resolve()
+        raise JobSpecError(f"{field_name}: no dataset {name!r} (GET /v1/datasets)")
+
+    def datasets(self, tenant_id: str | None = None) -> list[dict]:
+        """The service's public datasets, and the tenant's own (private) ones with their sizes."""
+        public = self.data_dir / "datasets"
+        out = [{"name": p.name, "public": True} for p in sorted(public.iterdir()) if (p / "meta" / "info.json").exists()]
+        own = self._own_datasets(tenant_id) if tenant_id else None
+        if own is not None and own.is_dir():
+            out += [{"name": p.name, "public": False, "bytes": _du(p)} for p in sorted(own.iterdir())
+                    if not p.name.startswith(".") and (p / "meta" / "info.json").exists()]
+        return out
+
+    def upload_dataset(self, tenant_id: str, name: str, archive: Path) -> dict:
+        """Accept `archive` (a tar of a LeRobot dataset, already on disk) as the tenant's dataset `name`:
+        unpacked safely, read back, within the tenant's max_dataset_mb, then moved into place at once.
+        Nothing is left behind by a refusal."""
+        from vlamux.api.uploads import ArchiveLimits, dataset_root, scratch, unpack, validate
+
+        if not DATASET_NAME.fullmatch(name):
+            raise InvalidInputError(f"name: letters, digits, '-', '_' and '.', 1 to 64, got {name[:80]!r}")
+        own = self._own_datasets(tenant_id)
+        own.mkdir(parents=True, exist_ok=True)
+        limit = int(float(self.quotas(tenant_id)["max_dataset_mb"]) * (1 << 20))
+        with self._dataset_lock(tenant_id):  # one upload of a tenant at a time: its quota check holds
+            if (own / name).exists() or (self.data_dir / "datasets" / name / "meta" / "info.json").exists():
+                raise Conflict(f"name: a dataset {name!r} exists already (delete yours first, or pick another name)")
+            used = sum(_du(p) for p in own.iterdir() if not p.name.startswith("."))
+            tmp = scratch(own)
+            try:
+                unpack(archive, tmp, ArchiveLimits(max_bytes=max(0, limit - used) + 1))
+                root = dataset_root(tmp)
+                size = _du(root)
+                if used + size > limit:
+                    raise QuotaExceeded(f"quota: {used + size} bytes of datasets would exceed max_dataset_mb "
+                                        f"({limit >> 20} MB); delete one first", retry_after_s=60.0)
+                info = validate(root)
+                os.replace(root, own / name)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+        return {"name": name, "public": False, "bytes": size, **info}
+
+    def delete_dataset(self, tenant_id: str, name: str) -> None:
+        path = self._own_datasets(tenant_id) / name
+        if not DATASET_NAME.fullmatch(name) or not (path / "meta" / "info.json").exists():
+            raise NotFound(f"no dataset {name!r} of yours")
+        with self._dataset_lock(tenant_id):
+            shutil.rmtree(path)
+
+    def _dataset_lock(self, tenant_id: str) -> threading.Lock:
+        with self._lock:
+            return self._dataset_locks.setdefault(tenant_id, threading.Lock())
 
     def _start_job(self, job_id: str, tenant_id: str, spec, workdir: Path) -> None:
         def on_event(job, kind: str, detail: dict) -> None:
@@ -776,6 +831,11 @@ def _usable(rec) -> None:
 
 def _scrub(e: BaseException) -> str:
     return public_message(f"{type(e).__name__}: {e}")
+
+
+def _du(path: Path) -> int:
+    """Bytes of the files under path."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def _sha256(path: Path) -> str:

@@ -28,6 +28,7 @@ class QuotasIn(_Body):
     max_env_sessions: int | None = Field(default=None, ge=0, le=1000)
     max_envs: int | None = Field(default=None, ge=0, le=100000)
     max_env_processes: int | None = Field(default=None, ge=0, le=10000)
+    max_dataset_mb: float | None = Field(default=None, ge=0, le=10**7)
     requests_per_s: float | None = Field(default=None, gt=0, le=100000)
 
 

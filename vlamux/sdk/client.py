@@ -97,8 +97,19 @@ class Client:
         return self._http.get("/v1/backbones")["backbones"]
 
     def datasets(self) -> list[dict]:
-        """The datasets on the service, by name (what a spec's ``sft.dataset`` names)."""
+        """The datasets a job of this tenant may name in ``sft.dataset``: the service's public ones
+        and the tenant's own (``{"name", "public", "bytes"?}``)."""
         return self._http.get("/v1/datasets")["datasets"]
+
+    def upload_dataset(self, path: str, name: str | None = None, timeout_s: float = 3600.0) -> dict:
+        """Upload the LeRobot dataset directory `path` (or a .tar / .tar.gz of one) as this tenant's
+        private dataset `name` (default: the directory's name). The service reads it back before it
+        accepts it; errors name the file and the key. Returns what it holds (episodes, frames, bytes)."""
+        return self._http.upload(f"/v1/datasets", path, params={"name": name or _dataset_name(path)},
+                                 timeout_s=timeout_s)["dataset"]
+
+    def delete_dataset(self, name: str) -> None:
+        self._http.delete(f"/v1/datasets/{name}")
 
     def policies(self) -> list[dict]:
         return self._http.get("/v1/policies")["policies"]
@@ -385,3 +396,13 @@ def _yaml(text: str):
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ValueError(str(e)) from None
+
+
+def _dataset_name(path: str) -> str:
+    import os
+
+    base = os.path.basename(os.path.normpath(path))
+    for ext in (".tar.gz", ".tgz", ".tar"):
+        if base.endswith(ext):
+            return base[: -len(ext)]
+    return base

@@ -1,0 +1,110 @@
+"""A tenant's dataset, uploaded as a tar archive (optionally gzip'ed): streamed to disk, unpacked with
+every safety check, read back by the LeRobot reader, and only then moved into place.
+
+Archive safety: regular files and directories only (no links, devices or FIFOs), no absolute paths
+and no `..`, at most `max_files` members and `max_bytes` unpacked, and a compression ratio of at most
+`max_ratio` (a zip bomb is refused before it fills the disk). A refused upload leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tarfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+from vlamux.errors import InvalidInputError
+
+
+@dataclass(frozen=True)
+class ArchiveLimits:
+    max_bytes: int = 4 << 30  # unpacked
+    max_files: int = 100_000
+    max_ratio: float = 200.0  # unpacked bytes per archive byte
+
+
+def unpack(archive: Path, dest: Path, limits: ArchiveLimits) -> int:
+    """Unpack `archive` into the new directory `dest`, checking every member first; the bytes unpacked.
+    On any refusal `dest` does not exist afterwards."""
+    try:
+        tar = tarfile.open(archive, mode="r:*")
+    except (tarfile.TarError, OSError) as e:
+        raise InvalidInputError(f"body: not a tar archive (plain or gzip): {e}") from None
+    with tar:
+        members, total = [], 0
+        try:
+            for m in tar:
+                name = PurePosixPath(m.name)
+                where = f"body: archive member {m.name[:200]!r}"
+                if m.name.startswith("/") or name.is_absolute() or ".." in name.parts:
+                    raise InvalidInputError(f"{where}: absolute paths and '..' are not allowed")
+                if not (m.isfile() or m.isdir()):
+                    raise InvalidInputError(f"{where}: only files and directories are allowed (no links or devices)")
+                members.append(m)
+                total += m.size if m.isfile() else 0
+                if len(members) > limits.max_files:
+                    raise InvalidInputError(f"body: more than {limits.max_files} archive members")
+                if total > limits.max_bytes:
+                    raise InvalidInputError(f"body: unpacks to more than {limits.max_bytes} bytes")
+        except tarfile.TarError as e:
+            raise InvalidInputError(f"body: a damaged tar archive: {e}") from None
+        size = max(1, archive.stat().st_size)
+        if total / size > limits.max_ratio:
+            raise InvalidInputError(f"body: unpacks to {total / size:.0f}x its size, more than {limits.max_ratio:g}x")
+        dest.mkdir(parents=True)
+        try:
+            for m in members:
+                target = dest / PurePosixPath(m.name)
+                if m.isdir():
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                src = tar.extractfile(m)
+                with open(target, "xb") as out:  # "x": a duplicate member is an error, not an overwrite
+                    shutil.copyfileobj(src, out, 1 << 20)
+        except FileExistsError:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise InvalidInputError("body: the archive names one file twice") from None
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+    return total
+
+
+def dataset_root(unpacked: Path) -> Path:
+    """The LeRobot dataset in an unpacked archive: at its top, or in its one top-level directory."""
+    if (unpacked / "meta" / "info.json").is_file():
+        return unpacked
+    entries = [p for p in unpacked.iterdir()]
+    if len(entries) == 1 and entries[0].is_dir() and (entries[0] / "meta" / "info.json").is_file():
+        return entries[0]
+    raise InvalidInputError("body: no meta/info.json at the archive's top or in its one top-level directory; "
+                            "not a LeRobot dataset")
+
+
+def validate(root: Path) -> dict:
+    """Read the dataset back as training will (its metadata, and a frame of its first and last
+    episodes, cameras included): what it holds, or an error naming the file and the key."""
+    from vlamux.data.lerobot import DatasetError, LeRobotDataset
+
+    try:
+        ds = LeRobotDataset(root)
+        n = ds.num_episodes
+        if n == 0:
+            raise InvalidInputError("body: the dataset has no episodes")
+        for i in sorted({0, n - 1}):
+            ep = ds.episode(i)
+            for cam in ds.camera_keys:
+                ep.images(cam)
+        return {"episodes": n, "frames": ds.num_frames, "cameras": list(ds.camera_keys),
+                "codebase_version": ds.info.get("codebase_version")}
+    except InvalidInputError:
+        raise
+    except (DatasetError, OSError, ValueError, KeyError) as e:
+        msg = str(e).replace(str(root) + "/", "").replace(str(root), ".")
+        raise InvalidInputError(f"body: the dataset does not read: {msg}") from None
+
+
+def scratch(parent: Path) -> Path:
+    return parent / f".upload-{uuid.uuid4().hex}"
