@@ -140,6 +140,10 @@ def test_dashboard_in_a_browser(service, browser):
     # the job's policy, at the version the job left it
     policy = f'#policies-table tbody tr[data-policy-id="{job_id}"]'
     assert _css(browser, policy).text.split()[-1] == str(STEPS)
+    # the datasets its jobs may name: the service's, marked public
+    datasets = [r.get_attribute("data-dataset") for r in browser.find_elements("css selector", "#datasets-table tbody tr")]
+    assert datasets == [d["name"] for d in _call(url, "GET", "/v1/datasets", key)["datasets"]] and datasets
+    assert "public" in _css(browser, "#datasets-table tbody tr").text
 
     # ---- the admin's view --------------------------------------------------------------------
     browser.get(f"{url}/dashboard#key={admin}")  # a new fragment on the same page: hashchange

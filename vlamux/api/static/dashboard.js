@@ -412,7 +412,8 @@
 
   // ---- the tenant's view ----------------------------------------------------------------------
   async function refreshTenant(gen) {
-    const [jobs, usage, policies] = await Promise.all([api("/v1/jobs"), api("/v1/usage"), api("/v1/policies")]);
+    const [jobs, usage, policies, datasets] = await Promise.all([api("/v1/jobs"), api("/v1/usage"),
+      api("/v1/policies"), api("/v1/datasets")]);
     if (gen !== state.gen) return;
     const list = jobs.jobs.slice().sort((a, b) => b.created_at - a.created_at);
 
@@ -443,6 +444,7 @@
     }
     renderJobs(list);
     renderPolicies(policies.policies || []);
+    renderDatasets(datasets.datasets || []);
     await refreshCurve(gen);
   }
 
@@ -524,6 +526,16 @@
     renderJobs(state.jobs);
     drawCurves();
     refreshCurve(state.gen).catch((err) => showNotice(describe(err)));
+  }
+
+  function renderDatasets(list) {
+    $("datasets-empty").hidden = list.length > 0;
+    $("datasets-table").hidden = list.length === 0;
+    $("datasets-table").querySelector("tbody").replaceChildren(...list.map((d) =>
+      el("tr", { "data-dataset": d.name },
+        el("td", {}, el("b", { text: d.name })),
+        el("td", { text: d.public ? "the service's (public)" : "yours (private)" }),
+        el("td", { class: "num", text: d.public ? DASH : fmtBytes(d.bytes) }))));
   }
 
   function renderPolicies(list) {
