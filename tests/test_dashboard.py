@@ -116,14 +116,17 @@ def test_dashboard_in_a_browser(service, browser):
     assert "sft" in _css(browser, f"{row} .phase").text
     assert float(_css(browser, f"{row} .loss").text) == pytest.approx(rows[-1]["loss"], rel=1e-3)
 
-    # the learning curve, pushed by the job's event stream while it ran (polled only without one), and
-    # every row drawn once
+    # the learning curve: pushed by the job's event stream when the page saw the job live, polled when it
+    # first saw it ended (the job may finish between two refreshes); either way every row drawn once
     loss = _css(browser, "#loss-chart")
     _wait(browser, f"{STEPS} points on the loss curve", lambda: loss.get_attribute("data-points") == str(STEPS))
     assert _css(browser, "#loss-chart path.series").get_attribute("d").count("L") == STEPS - 1
-    fetched = browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
-    assert any(u.endswith(f"/v1/jobs/{job_id}/events") for u in fetched), "the live curve did not stream"
-    since = [int(u.rsplit("=", 1)[1]) for u in fetched if f"/v1/jobs/{job_id}/metrics?since=" in u]
+    def fetched():  # a stream's resource entry appears once it has ended (at the job's `end` event)
+        return browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+
+    _wait(browser, "the curve's event stream or its polls", lambda: any(
+        u.endswith(f"/v1/jobs/{job_id}/events") or f"/v1/jobs/{job_id}/metrics?since=" in u for u in fetched()))
+    since = [int(u.rsplit("=", 1)[1]) for u in fetched() if f"/v1/jobs/{job_id}/metrics?since=" in u]
     assert since == sorted(since) and (not since or since[-1] <= STEPS), since
     assert "Learning curve · t" in _css(browser, "#curve-title").text
     assert _css(browser, "#success-chart").get_attribute("data-points") == "0"
