@@ -78,7 +78,7 @@ def test_key_secret_authenticates_and_only_its_hash_is_stored(store):
     dump = raw_dump(store)
     assert secret not in dump
     assert secret.split("_", 2)[2] not in dump  # not even the random part
-    assert store_mod._hash(secret) in dump
+    assert store_mod.secret_digest(secret) in dump
 
 
 def test_revoked_key_and_disabled_tenant_do_not_authenticate(store):

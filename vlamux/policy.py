@@ -19,17 +19,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
 
-from vlamux.errors import CorruptCheckpointError, IncompatibleError
+from vlamux.errors import IncompatibleError
 from vlamux.model import BackboneSpec, HeadSpec, build_backbone
 from vlamux.model.backbones import spec_from_arg
 from vlamux.model.backbones.base import Backbone
 from vlamux.model.group import Sample
 from vlamux.model.runner import ModelRunner
 from vlamux.model.slot import PolicySnapshot
-from vlamux.utils.io import atomic_save_safetensors, tensors_sha256
+from vlamux.utils.io import atomic_save_safetensors, read_verified, tensors_sha256
 
 FORMAT = "vlamux.policy/1"
 TENANT = "policy"  # the one slot of a standalone runner
@@ -67,23 +65,7 @@ def backbone_sha256(backbone: Backbone) -> str:
 
 def read_policy(path: str | Path) -> tuple[dict, dict]:
     """A policy file's tensors and metadata, verified (readable, its digest, finite)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"policy file not found: {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        tensors = load_file(str(path))
-    except Exception as e:  # noqa: BLE001 - safetensors' own error types
-        raise CorruptCheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from None
-    if meta.get("format") != FORMAT:
-        raise IncompatibleError(f"{path}: not a vlamux policy file (format={meta.get('format')!r})")
-    if tensors_sha256(tensors) != meta.get("content_sha256"):
-        raise CorruptCheckpointError(f"{path}: its tensors do not match the sha256 they were written with")
-    bad = next((k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
-    if bad is not None:
-        raise CorruptCheckpointError(f"{path}: tensor {bad!r} holds NaN or infinite values")
-    return tensors, meta
+    return read_verified(path, FORMAT, "policy file")
 
 
 class Policy:

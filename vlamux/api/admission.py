@@ -14,8 +14,9 @@ dependency reads the store on a worker thread and applies the same limit.
 from __future__ import annotations
 
 import asyncio
-import json
+import math
 
+from vlamux.api.errors import error_response
 from vlamux.api.keycache import TTLCache
 
 ADMITTED = "vlamux_admitted"  # scope["state"] key: the principal this middleware already counted
@@ -46,13 +47,7 @@ class Admission:
                 await asyncio.sleep(self.hold_s)  # a whole hold_s even when a token comes sooner
             finally:
                 self._held[p.tenant_id] -= 1
-        await _refuse(send, wait, self.host.quotas(p.tenant_id)["requests_per_s"])
-
-
-async def _refuse(send, wait_s: float, rate) -> None:
-    body = json.dumps({"error": {"type": "rate_limited",
-                                 "message": f"rate limited: more than {float(rate):g} requests/s"}}).encode()
-    await send({"type": "http.response.start", "status": 429,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"retry-after", str(max(1, int(wait_s + 0.999))).encode())]})
-    await send({"type": "http.response.body", "body": body})
+        rate = float(self.host.quotas(p.tenant_id)["requests_per_s"])
+        refusal = error_response(429, "rate_limited", f"rate limited: more than {rate:g} requests/s",
+                                 headers={"Retry-After": str(max(1, math.ceil(wait)))})
+        await refusal(scope, receive, send)

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import math
 import time
 import uuid
 from pathlib import Path
@@ -28,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vlamux.api import wire
 from vlamux.api.admission import ADMITTED, Admission
 from vlamux.api.errors import UPLOAD_TYPES, ApiError, BodyLimit, error_response, translate
-from vlamux.api.host import NotFound, Principal, ServiceHost
+from vlamux.api.host import NotFound, Principal, ServiceHost, json_safe
 from vlamux.api.keycache import TTLCache
 from vlamux.api.validate import (MSGPACK, MSGPACK_OUT, KeyIn, LoadStateIn, OptimStepIn, QuotasIn, ResetIn, SessionIn,
                                  SlotIn, TenantIn, check_env, check_head, check_optimizer, env_error, fits_head,
@@ -292,8 +291,7 @@ def create_app(host: ServiceHost) -> FastAPI:
                 while True:
                     entries, nxt, state = await run_in_threadpool(host.job_entries, t, job_id, pos)
                     for i, e in enumerate(entries):
-                        fields = {k: v for k, v in e["data"].items() if _finite(v)}  # JSON has no NaN
-                        data = json.dumps({"data": fields, "line": e["line"]}, default=str)
+                        data = json.dumps({"data": json_safe(e["data"]), "line": e["line"]}, default=str)
                         yield f"id: {pos + i + 1}\nevent: {e['kind']}\ndata: {data}\n\n"
                     pos, now = nxt, time.monotonic()
                     if entries:
@@ -492,14 +490,6 @@ def _tenant_view(host: ServiceHost, t) -> dict:
 def _key_view(k) -> dict:
     return {"id": k.id, "name": k.name, "created_at": k.created_at, "revoked": k.revoked_at is not None,
             "last_used_at": k.last_used_at}
-
-
-def _finite(v) -> bool:
-    if isinstance(v, float):
-        return math.isfinite(v)
-    if isinstance(v, dict):
-        return all(_finite(x) for x in v.values())
-    return True
 
 
 async def _until_done(fut, timeout_s: float) -> None:

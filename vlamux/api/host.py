@@ -24,14 +24,14 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vlamux.api.keycache import TTLCache, digest
+from vlamux.api.keycache import TTLCache
 from vlamux.api.metering import Meter, RateLimiter
 from vlamux.api.quotas import WHAT, Ledger, Need, QuotaRefused, session_processes
 from vlamux.errors import CorruptCheckpointError, InvalidInputError, VlamuxError, public_message
 from vlamux.jobs.master import MasterService
 from vlamux.jobs.spec import JobSpecError, load_spec
 from vlamux.model.slot import read_slot_file
-from vlamux.store import Store
+from vlamux.store import Store, secret_digest
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class ServiceHost:
     # ---- authentication and tenants -------------------------------------------------------------
     def authenticate(self, secret: str) -> Principal | None:
         """The key's principal (None: unknown, revoked or disabled), from the cache or the store."""
-        d = digest(secret)
+        d = secret_digest(secret)
         p = self._principals.get(d)
         if TTLCache.missing(p):
             key = self.store.authenticate(secret)
@@ -213,7 +213,7 @@ class ServiceHost:
     def cached_principal(self, secret: str):
         """The principal if the cache knows the key (None for a known-bad one), else the cache's
         sentinel (`TTLCache.missing`): a check that never touches the store, for the event loop."""
-        return self._principals.get(digest(secret))
+        return self._principals.get(secret_digest(secret))
 
     def quotas(self, tenant_id: str) -> dict:
         q = self._quotas.get(tenant_id)
@@ -366,9 +366,9 @@ class ServiceHost:
                     self.ledger.release(tenant_id, f"job:{job_id}")
                 result = detail.get("result") if detail["state"] == "succeeded" else None
                 self.store.set_job_state(job_id, detail["state"], error=detail.get("error"),
-                                         result=_finite(_jsonable(result)) if result is not None else None)
+                                         result=json_safe(_jsonable(result)) if result is not None else None)
             elif kind == "checkpoint":
-                self.store.set_job_progress(job_id, _finite(_jsonable(job.progress)))
+                self.store.set_job_progress(job_id, json_safe(_jsonable(job.progress)))
                 path = Path(detail["path"])
                 self.store.add_checkpoint(tenant_id, job_id, int(detail["policy_version"]), str(path),
                                           path.stat().st_size, _sha256(path), job_id=job_id)
@@ -700,14 +700,8 @@ class ServiceHost:
         """The tenant's future `future_id` (404 for another tenant's, as for a missing one)."""
         return self._tracked(tenant_id, future_id).future
 
-    def future_view(self, tenant_id: str, future_id: str, wait_s: float = 0.0) -> dict:
-        f = self._tracked(tenant_id, future_id)
-        if wait_s > 0:
-            try:
-                f.future.exception(timeout=min(wait_s, 30.0))
-            except TimeoutError:
-                pass
-        return _future_view(f)
+    def future_view(self, tenant_id: str, future_id: str) -> dict:
+        return _future_view(self._tracked(tenant_id, future_id))
 
     @contextlib.contextmanager
     def long_poll(self, tenant_id: str):
@@ -872,14 +866,14 @@ def _future_view(f: _Future) -> dict:
     return view
 
 
-def _finite(x):
+def json_safe(x):
     """JSON the store accepts: NaN and infinities (a diverged loss) become None."""
     if isinstance(x, float):
         return x if x == x and abs(x) != float("inf") else None
     if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, list):
-        return [_finite(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 

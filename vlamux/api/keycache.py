@@ -11,7 +11,6 @@ not reach the store either; the cache holds digests of secrets, never the secret
 from __future__ import annotations
 
 import collections
-import hashlib
 import threading
 import time
 from typing import Any, Callable
@@ -51,7 +50,3 @@ class TTLCache:
     @staticmethod
     def missing(value) -> bool:
         return value is _MISSING
-
-
-def digest(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()

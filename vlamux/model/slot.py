@@ -15,10 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, safe_open
 from torch import Tensor
 
-from vlamux.errors import CorruptCheckpointError, IncompatibleError, InvalidInputError, NonFiniteError
+from vlamux.errors import IncompatibleError, InvalidInputError, NonFiniteError
 from vlamux.model.adapters import LoRAAdapter, select_targets
 from vlamux.model.batch import check_float_tensor
 from vlamux.model.device import copy_into, to_cpu, to_device
@@ -27,7 +26,7 @@ from vlamux.model.heads import ActionHead, HeadSpec, build_head
 from vlamux.model.heads.base import host_noise
 from vlamux.model.normalize import NormStats
 from vlamux.model.policy_loss import PolicyLoss, policy_objective
-from vlamux.utils.io import atomic_save_safetensors, tensors_sha256
+from vlamux.utils.io import atomic_save_safetensors, read_verified, tensors_sha256
 from vlamux.utils.seeding import seeded
 
 FORMAT = "vlamux.slot/1"
@@ -541,28 +540,6 @@ def generator_state(rng: Tensor, rng_device: str, tenant: str) -> Tensor:
 
 
 def read_slot_file(path: str | Path) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """A slot file's tensors and metadata, verified: it must read whole, hash to the digest it was
-    written with, and hold only finite numbers, or CorruptCheckpointError says which check failed."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"slot checkpoint not found: {path}")
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-        tensors = load_file(str(path))
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types, and OSError
-        raise CorruptCheckpointError(f"{path}: not a readable safetensors file, truncated or overwritten "
-                                     f"({type(e).__name__}: {e})") from None
-    if meta.get("format") != FORMAT:
-        raise IncompatibleError(f"{path}: not a vlamux slot file (format={meta.get('format')!r})")
-    want = meta.get("content_sha256")
-    if want is None:  # written before checkpoints carried a digest: the finiteness check still applies
-        log.warning("%s: a slot file without a content digest (an earlier version's); not verified", path)
-    elif tensors_sha256(tensors) != want:
-        raise CorruptCheckpointError(f"{path}: its tensors do not match the sha256 they were saved with; "
-                                     f"the file was altered or damaged after it was written")
-    bad = next((k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
-    if bad is not None:
-        raise CorruptCheckpointError(f"{path}: tensor {bad!r} holds NaN or infinite values; a policy from it "
-                                     f"would act on garbage")
-    return tensors, meta
+    """A slot file's tensors and metadata, verified (`read_verified`); files of earlier versions
+    carry no digest and are checked for finiteness only."""
+    return read_verified(path, FORMAT, "slot file", legacy_ok=True)

@@ -9,6 +9,8 @@ from vlamux.store.store import (
     Store,
     Tenant,
     UsageTotals,
+    secret_digest,
 )
 
-__all__ = ["JOB_STATES", "ApiKey", "CheckpointRecord", "JobEvent", "JobRecord", "Store", "Tenant", "UsageTotals"]
+__all__ = ["JOB_STATES", "ApiKey", "CheckpointRecord", "JobEvent", "JobRecord", "Store", "Tenant", "UsageTotals",
+           "secret_digest"]

@@ -119,8 +119,10 @@ def _checkpoint(r: CheckpointRow) -> CheckpointRecord:
                             r.bytes, r.sha256, r.created_at)
 
 
-def _hash(secret: str) -> str:
+def secret_digest(secret: str) -> str:
+    """How a key's secret is stored and looked up (and cached): its sha256, never the secret."""
     return hashlib.sha256(secret.encode()).hexdigest()
+
 
 
 def _check_name(name: Any) -> str:
@@ -260,7 +262,7 @@ class Store:
 
     @staticmethod
     def _insert_key(s: Session, key_id: str, tenant_id: str | None, name: str, secret: str) -> ApiKeyRow:
-        row = ApiKeyRow(id=key_id, tenant_id=tenant_id, name=name, secret_sha256=_hash(secret),
+        row = ApiKeyRow(id=key_id, tenant_id=tenant_id, name=name, secret_sha256=secret_digest(secret),
                         created_at=time.time(), revoked_at=None, last_used_at=None)
         s.add(row)
         s.flush()
@@ -270,7 +272,7 @@ class Store:
         """The key this secret belongs to, or None if unknown, revoked, or its tenant is disabled."""
         if not isinstance(secret, str) or not secret:
             return None
-        digest = _hash(secret)  # lookup by hash: the secret itself is never compared or stored
+        digest = secret_digest(secret)  # lookup by hash: the secret itself is never compared or stored
         with self._read() as s:
             row = s.scalar(select(ApiKeyRow).where(ApiKeyRow.secret_sha256 == digest))
             if row is None or row.revoked_at is not None:
@@ -314,7 +316,7 @@ class Store:
             _check_str(secret, "secret")
         with self._write() as s:
             if secret is not None:
-                row = s.scalar(select(ApiKeyRow).where(ApiKeyRow.secret_sha256 == _hash(secret)))
+                row = s.scalar(select(ApiKeyRow).where(ApiKeyRow.secret_sha256 == secret_digest(secret)))
                 if row is not None:
                     if row.tenant_id is not None:
                         raise InvalidInputError("secret is already a tenant's API key, not an admin key")

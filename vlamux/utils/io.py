@@ -36,3 +36,41 @@ def atomic_save_safetensors(tensors: dict[str, Tensor], path: str | Path, metada
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_verified(path: str | Path, fmt: str, what: str, legacy_ok: bool = False):
+    """(tensors, metadata) of a safetensors file written with `fmt` in its metadata and a
+    `content_sha256` (tensors_sha256), verified: it reads whole, hashes to that digest, and holds only
+    finite numbers; else CorruptCheckpointError (or IncompatibleError for another format) saying which.
+    legacy_ok: accept a file without a digest (written before files carried one), finite still."""
+    import logging
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from vlamux.errors import CorruptCheckpointError, IncompatibleError
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        tensors = load_file(str(path))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types, and OSError
+        raise CorruptCheckpointError(f"{path}: not a readable safetensors file, truncated or overwritten "
+                                     f"({type(e).__name__}: {e})") from None
+    if meta.get("format") != fmt:
+        raise IncompatibleError(f"{path}: not a vlamux {what} (format={meta.get('format')!r})")
+    want = meta.get("content_sha256")
+    if want is None and legacy_ok:
+        logging.getLogger(__name__).warning("%s: a %s without a content digest (an earlier version's); "
+                                            "not verified", path, what)
+    elif tensors_sha256(tensors) != want:
+        raise CorruptCheckpointError(f"{path}: its tensors do not match the sha256 they were saved with; "
+                                     f"the file was altered or damaged after it was written")
+    bad = next((k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())), None)
+    if bad is not None:
+        raise CorruptCheckpointError(f"{path}: tensor {bad!r} holds NaN or infinite values; a policy from it "
+                                     f"would act on garbage")
+    return tensors, meta
