@@ -16,7 +16,7 @@ from vlamux.model.feature import TokenType
 from vlamux.synthetic import TaskProfile, make_batch
 
 pytest.importorskip("transformers")
-FAMILIES = ["qwen2_5_vl", "smolvlm", "paligemma"]
+FAMILIES = ["qwen2_5_vl", "qwen3_vl", "smolvlm", "paligemma"]
 TOL = 1e-5
 # three tenants: different heads, instruction lengths, camera counts and image sizes
 TENANTS = {

@@ -62,7 +62,9 @@ def test_slots_name_their_backbone_and_groups_keep_apart(runtime):
         runtime.create_slot("nowhere", HEAD, backbone="llama")
 
 
-def test_an_sft_job_on_the_hf_backbone_lowers_its_loss(runtime, tmp_path):
+@pytest.mark.parametrize("query_tokens", [0, 4])
+def test_an_sft_job_on_the_hf_backbone_lowers_its_loss(runtime, tmp_path, query_tokens):
+    """Also with learned query tokens appended to the prompt (and nothing else of the backbone adapted)."""
     from vlamux.data.demos import generate
     from vlamux.jobs import JobSpecError
     from vlamux.jobs.master import MasterService
@@ -70,8 +72,10 @@ def test_an_sft_job_on_the_hf_backbone_lowers_its_loss(runtime, tmp_path):
     data = tmp_path / "demos"
     generate(["goal/touch-red-cube"], 4, data, image_size=32, workers=1, progress=None)
     master = MasterService(runtime, tmp_path / "jobs")
-    spec = {"name": "hf-sft", "tenant": "hf-sft", "kind": "sft", "backbone": "qwen",
-            "head": {"kind": "l1_chunk", "action_dim": 4, "horizon": 4, "state_dim": 8, "width": 64, "depth": 1},
+    tenant = f"hf-sft-q{query_tokens}"
+    spec = {"name": tenant, "tenant": tenant, "kind": "sft", "backbone": "qwen",
+            "head": {"kind": "l1_chunk", "action_dim": 4, "horizon": 4, "state_dim": 8, "width": 64, "depth": 1,
+                     "query_tokens": query_tokens},
             "optimizer": {"lr": 1e-3}, "sft": {"dataset": str(data), "steps": 120, "batch_size": 16, "camera_map": {
                 "observation.images.agentview": "agentview", "observation.images.wrist": "wrist"}},
             "eval": None, "checkpoint_every": 100}
@@ -81,7 +85,9 @@ def test_an_sft_job_on_the_hf_backbone_lowers_its_loss(runtime, tmp_path):
     header = rows[0].split(",")
     losses = [float(r.split(",")[header.index("loss")]) for r in rows[1:]]
     assert sum(losses[-10:]) / 10 < 0.85 * sum(losses[:10]) / 10, losses
-    assert runtime.training.runner.slot("hf-sft").backbone_id == runtime.backbone_id("qwen")
+    slot = runtime.training.runner.slot(tenant)
+    assert slot.backbone_id == runtime.backbone_id("qwen")
+    assert (slot.queries is not None) == bool(query_tokens)
     with pytest.raises(JobSpecError, match="qwen"):
         master.submit({**spec, "name": "x", "tenant": "x", "backbone": "llama"})
 

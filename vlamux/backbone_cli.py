@@ -18,9 +18,9 @@ def backbone() -> None:
 
 
 @backbone.command("init")
-@click.option("--family", required=True, type=click.Choice(["qwen2_5_vl", "smolvlm", "paligemma"]))
+@click.option("--family", required=True, type=click.Choice(["qwen2_5_vl", "qwen3_vl", "smolvlm", "paligemma"]))
 @click.option("--size", default="tiny", show_default=True,
-              help="tiny | small | base, or the full size (qwen2_5_vl: 3b, smolvlm: 2b, paligemma: 3b).")
+              help="tiny | small | base, or the full size (qwen2_5_vl: 3b, qwen3_vl: 2b, smolvlm: 2b, paligemma: 3b).")
 @click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path))
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--overwrite", is_flag=True, help="Replace a directory that is not empty.")

@@ -26,7 +26,7 @@ from vlamux.model.backbones import spec_from_arg
 from vlamux.model.backbones.base import Backbone
 from vlamux.model.group import Sample
 from vlamux.model.runner import ModelRunner
-from vlamux.model.slot import PolicySnapshot
+from vlamux.model.slot import MODULE_PREFIXES, PolicySnapshot
 from vlamux.utils.io import atomic_save_safetensors, read_verified, tensors_sha256
 
 FORMAT = "vlamux.policy/1"
@@ -50,7 +50,7 @@ def snapshot_of(slot_file: str | Path) -> PolicySnapshot:
     from vlamux.model.slot import read_slot_file
 
     tensors, meta = read_slot_file(slot_file)
-    keep = {k: v for k, v in tensors.items() if k.startswith(("head.", "adapter.", "stats."))}
+    keep = {k: v for k, v in tensors.items() if k.startswith((*MODULE_PREFIXES, "stats."))}
     return PolicySnapshot(meta["tenant"], int(tensors["version"][0]), meta["backbone_id"],
                           HeadSpec.from_json(meta["head_spec"]), keep, json.loads(meta["stats_modes"]))
 

@@ -95,9 +95,11 @@ class ModelRunner:
                                   **self.adapter_targets(backbone.backbone_id)))
 
     def adapter_targets(self, backbone_id: str) -> dict:
-        """What a slot with an adapter needs to know of its backbone (Slot's keyword arguments)."""
+        """What a slot with an adapter or query tokens needs to know of its backbone (Slot's keyword
+        arguments)."""
         backbone = self._backbone(backbone_id)
-        return {"adaptable": backbone.adaptable(), "lora_default": backbone.LORA_DEFAULT}
+        return {"adaptable": backbone.adaptable(), "lora_default": backbone.LORA_DEFAULT,
+                "query_init": backbone.query_init()}
 
     def add_slot(self, slot: Slot) -> Slot:
         if slot.tenant in self.slots:
@@ -192,7 +194,7 @@ class ModelRunner:
                 slot = self.slot(req.tenant)
                 backbone = self.backbones[slot.backbone_id]
                 with self.pools.rollout():  # prepare checks the observation before it copies
-                    batch = backbone.prepare(req.obs)
+                    batch = backbone.prepare(req.obs, n_query=slot.head_spec.query_tokens)
                     if isinstance(req, ForwardBackward):
                         rows = slot.check_rows(req.obs.batch_size, req.obs.state, req.actions, req.action_mask,
                                                req.loss, train=True)
@@ -221,11 +223,11 @@ class ModelRunner:
 
     def _run_group(self, group: list[int], requests: list[Request], batches: dict[int, _Ingested],
                    results: list[Result], rnd: _Round, fuse: bool) -> None:
-        """One backbone call for the group's requests; those that train an adapter run apart, with
-        gradients, so that nobody else's rows keep activations for a backward (their own call is the
-        no-grad one, unchanged by adapter tenants beside them)."""
+        """One backbone call for the group's requests; those that train through the backbone (an
+        adapter, query tokens) run apart, with gradients, so that nobody else's rows keep activations
+        for a backward (their own call is the no-grad one, unchanged by such tenants beside them)."""
         training = [i for i in group if isinstance(requests[i], ForwardBackward)
-                    and self.slots[requests[i].tenant].adapter is not None]
+                    and self.slots[requests[i].tenant].trains_backbone]
         plain = [i for i in group if i not in training]
         for sub, grad in ((plain, False), (training, True)):
             if sub:
@@ -241,8 +243,10 @@ class ModelRunner:
             mine = [batches[i].batch for i in group]
             segments = list(zip(backbone.segments(mine), [s.adapter for s in slots])) \
                 if any(s.adapter is not None for s in slots) else []
+            queries = [s.query_vectors for s in slots]
+            extra = {"queries": queries} if any(q is not None for q in queries) else {}
             with adapters.active(segments), torch.set_grad_enabled(grad), self._saved_bytes(grad) as kept:
-                features = backbone.forward_group(mine, n_layers=n_layers)
+                features = backbone.forward_group(mine, n_layers=n_layers, **extra)
             if grad:
                 self.adapter_stats["groups"] += 1
                 self.adapter_stats["last_activation_bytes"] = kept[0]

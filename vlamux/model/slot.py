@@ -19,6 +19,7 @@ from torch import Tensor
 
 from vlamux.errors import IncompatibleError, InvalidInputError, NonFiniteError
 from vlamux.model.adapters import LoRAAdapter, select_targets
+from vlamux.model.queries import QueryTokens
 from vlamux.model.batch import check_float_tensor
 from vlamux.model.device import copy_into, to_cpu, to_device
 from vlamux.model.feature import FeatureMeta, VLAFeature
@@ -30,6 +31,7 @@ from vlamux.utils.io import atomic_save_safetensors, read_verified, tensors_sha2
 from vlamux.utils.seeding import seeded
 
 FORMAT = "vlamux.slot/1"
+MODULE_PREFIXES = ("head.", "adapter.", "queries.")  # the tenant's module's tensors in slot and policy files
 log = logging.getLogger(__name__)
 
 
@@ -123,9 +125,10 @@ class FBInputs:
 class Slot:
     def __init__(self, tenant: str, head_spec: HeadSpec, feature_meta: FeatureMeta,
                  optim: OptimizerSpec | None = None, seed: int = 0, device: str | torch.device = "cpu",
-                 adaptable: dict | None = None, lora_default: tuple[str, ...] = ()):
+                 adaptable: dict | None = None, lora_default: tuple[str, ...] = (), query_init: dict | None = None):
         """adaptable / lora_default: the backbone's Linears an adapter may change and its default
-        targets (`Backbone.adaptable`, `LORA_DEFAULT`), for a head spec that carries an adapter."""
+        targets (`Backbone.adaptable`, `LORA_DEFAULT`), for a head spec that carries an adapter;
+        query_init: how the backbone takes query tokens (`Backbone.query_init`), for one with query_tokens."""
         if not tenant or not isinstance(tenant, str):
             raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
         self.tenant = tenant
@@ -144,8 +147,15 @@ class Slot:
             targets = select_targets(adaptable, head_spec.lora, lora_default)
             with seeded(seed + 7919):
                 self.adapter = LoRAAdapter(head_spec.lora, targets).to(self.device)
+        self.queries: QueryTokens | None = None
+        if head_spec.query_tokens:
+            if not query_init:
+                raise InvalidInputError(f"head.query_tokens: backbone {self.backbone_id!r} takes no query tokens "
+                                        f"(a VLM backbone does)")
+            with seeded(seed + 104729):
+                self.queries = QueryTokens(head_spec.query_tokens, query_init["dim"], query_init["std"]).to(self.device)
         o = self.optim_spec
-        # one optimizer over the tenant's whole module: head, then adapter
+        # one optimizer over the tenant's whole module: head, then adapter, then query tokens
         self.optimizer = torch.optim.AdamW(self._module_params(), lr=o.lr, betas=o.betas, eps=o.eps,
                                            weight_decay=o.weight_decay)
         # A CPU generator on every device: draws are made on the host and copied over (they are a few
@@ -161,7 +171,16 @@ class Slot:
         self.accumulated = 0  # forward_backward calls since the last optimizer step
 
     def _module_params(self) -> list[Tensor]:
-        return [*self.head.parameters(), *(self.adapter.parameters() if self.adapter is not None else ())]
+        return [p for m in (self.head, self.adapter, self.queries) if m is not None for p in m.parameters()]
+
+    @property
+    def trains_backbone(self) -> bool:
+        """Its gradients pass through the shared backbone (an adapter or query tokens)."""
+        return self.adapter is not None or self.queries is not None
+
+    @property
+    def query_vectors(self) -> Tensor | None:
+        return None if self.queries is None else self.queries.weight
 
     @property
     def params(self) -> list[Tensor]:
@@ -172,11 +191,10 @@ class Slot:
         return self._params
 
     def _module_state(self) -> dict[str, Tensor]:
-        """The tenant's module's tensors by key: "head.*", and "adapter.*" where there is one."""
-        out = {f"head.{k}": v for k, v in self.head.state_dict().items()}
-        if self.adapter is not None:
-            out.update({f"adapter.{k}": v for k, v in self.adapter.state_dict().items()})
-        return out
+        """The tenant's module's tensors by key: "head.*", "adapter.*" and "queries.*" where there are."""
+        return {f"{name}.{k}": v for name, m in (("head", self.head), ("adapter", self.adapter),
+                                                 ("queries", self.queries)) if m is not None
+                for k, v in m.state_dict().items()}
 
     # ---- statistics -------------------------------------------------------------------------
     def set_stats(self, action: NormStats | None = None, state: NormStats | None = None) -> None:
@@ -372,9 +390,9 @@ class Slot:
             raise IncompatibleError(f"policy snapshot of tenant {snap.tenant!r} ({snap.head_spec.kind}) does not fit "
                                     f"the slot of tenant {self.tenant!r} ({self.head_spec.kind})")
         own = self._module_state()
-        given = {k: v for k, v in snap.tensors.items() if k.startswith(("head.", "adapter."))}
+        given = {k: v for k, v in snap.tensors.items() if k.startswith(MODULE_PREFIXES)}
         if given.keys() != own.keys() or any(given[k].shape != own[k].shape for k in own):
-            raise IncompatibleError(f"policy snapshot of tenant {snap.tenant!r}: head or adapter tensors do not match")
+            raise IncompatibleError(f"policy snapshot of tenant {snap.tenant!r}: its module's tensors do not match")
         with torch.no_grad():
             for k, dst in own.items():
                 copy_into(dst, given[k])
@@ -396,6 +414,7 @@ class Slot:
         optim = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, Tensor)]
         return {"head": size(self.head.parameters()),
                 "adapter": size(self.adapter.parameters()) if self.adapter is not None else 0,
+                "queries": size(self.queries.parameters()) if self.queries is not None else 0,
                 "optimizer": size(optim)}
 
     # ---- adapters in PEFT's layout ---------------------------------------------------------------------
@@ -470,10 +489,10 @@ class Slot:
         if meta["backbone_id"] != self.backbone_id:
             raise IncompatibleError(f"{path}: trained on backbone {meta['backbone_id']!r}, slot uses "
                                     f"{self.backbone_id!r}")
-        module = {k: v for k, v in tensors.items() if k.startswith(("head.", "adapter."))}
+        module = {k: v for k, v in tensors.items() if k.startswith(MODULE_PREFIXES)}
         expected = self._module_state()
         if module.keys() != expected.keys() or any(module[k].shape != expected[k].shape for k in module):
-            raise IncompatibleError(f"{path}: head or adapter tensors do not match the slot's")
+            raise IncompatibleError(f"{path}: its module's tensors (head, adapter, query tokens) do not match the slot's")
         live, live_meta = self.state_tensors()
         backup = ({k: v.clone() for k, v in live.items()}, live_meta)  # on CPU .cpu() aliases the parameters
         try:
@@ -490,8 +509,9 @@ class Slot:
 
     def _restore(self, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
         self.head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
-        if self.adapter is not None:
-            self.adapter.load_state_dict({k[8:]: v for k, v in tensors.items() if k.startswith("adapter.")})
+        for name, m in (("adapter", self.adapter), ("queries", self.queries)):
+            if m is not None:
+                m.load_state_dict({k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")})
         state: dict[int, dict] = {}
         for k, v in tensors.items():
             if k.startswith("optim."):

@@ -29,11 +29,14 @@ class Backbone(nn.Module, abc.ABC):
     @abc.abstractmethod
     def meta(self) -> FeatureMeta: ...
 
-    def prepare(self, obs):
+    def prepare(self, obs, n_query: int = 0):
         """A request's observation in this backbone's input form, checked (on the host) and on its
-        device: here the canonical batch; a VLM backbone runs its family's processor instead."""
+        device: here the canonical batch; a VLM backbone runs its family's processor instead (and
+        appends `n_query` placeholders for a tenant's query tokens)."""
         from vlamux.model.batch import canonicalize
 
+        if n_query:
+            raise ValueError(f"backbone {self.backbone_id!r} takes no tenant query tokens")
         return canonicalize(obs, self.schema, self.tokenizer, self.device, self.dtype)
 
     @abc.abstractmethod
@@ -72,6 +75,11 @@ class Backbone(nn.Module, abc.ABC):
     def segments(self, batches: list) -> list[int]:
         """Each request's extent along the adapted Linears' leading dimension in a group of `batches`."""
         raise NotImplementedError(f"{type(self).__name__} does not host adapters")
+
+    def query_init(self) -> dict | None:
+        """How a tenant's query tokens are made ({dim, std}), or None where they cannot be appended
+        (the built-in backbone has its own, shared ones)."""
+        return None
 
     def freeze(self) -> Backbone:
         self.eval()

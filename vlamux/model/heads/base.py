@@ -45,6 +45,9 @@ class HeadSpec:
     # A LoRA adapter on the backbone, part of the tenant's module: {kind: lora, rank, alpha, dropout,
     # target_modules, layers} (vlamux.model.adapters.LoRASpec); None: the head reads frozen features.
     adapter: dict | None = None
+    # Learned query (action) tokens appended to a VLM backbone's prompt, part of the tenant's module
+    # (vlamux.model.queries, StarVLA-OFT style); the head reads them among the features (type QUERY).
+    query_tokens: int = 0
 
     def __post_init__(self):
         if self.adapter is not None:
@@ -54,6 +57,11 @@ class HeadSpec:
         for name in ("action_dim", "horizon", "width", "depth", "n_heads"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"head spec: {name} must be a positive integer, got {getattr(self, name)!r}")
+        from vlamux.model.queries import MAX_QUERY_TOKENS
+
+        q = self.query_tokens
+        if isinstance(q, bool) or not isinstance(q, int) or not 0 <= q <= MAX_QUERY_TOKENS:
+            raise ValueError(f"head spec: query_tokens must be an integer in [0, {MAX_QUERY_TOKENS}], got {q!r}")
         if self.state_dim < 0:
             raise ValueError(f"head spec: state_dim must be >= 0, got {self.state_dim}")
         if self.width % self.n_heads:
@@ -65,6 +73,8 @@ class HeadSpec:
         d = asdict(self)
         if d["adapter"] is None:
             del d["adapter"]  # files written before adapters existed say the same
+        if not d["query_tokens"]:
+            del d["query_tokens"]  # likewise before query tokens
         return json.dumps(d, sort_keys=True)
 
     @property

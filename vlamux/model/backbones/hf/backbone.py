@@ -8,6 +8,7 @@ model itself; `prepare(obs)` runs the processor on the host, per request, before
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,7 @@ from vlamux.model.backbones.hf.families import Family, Row, _import, build_proce
 from vlamux.model.batch import InputSchema, Observation
 from vlamux.model.device import to_device
 from vlamux.model.feature import FeatureMeta, TokenType, VLAFeature
+from vlamux.model.queries import placed
 
 MAX_CAMERAS = 8
 
@@ -31,6 +33,7 @@ class HFBatch:
 
     rows: list[Row]
     token_types: list[Tensor]  # per row [L]: TokenType values
+    n_query: int = 0  # the tenant's query tokens, the last of each row's tokens (vlamux.model.queries)
 
     @property
     def batch_size(self) -> int:
@@ -112,10 +115,11 @@ class HFBackbone(Backbone):
     def forward(self, batch: HFBatch, n_layers: int = 0) -> VLAFeature:
         return self.forward_group([batch], n_layers)[0]
 
-    def prepare(self, obs: Observation) -> HFBatch:
+    def prepare(self, obs: Observation, n_query: int = 0) -> HFBatch:
         """A request's observation through the family's processor: each row's prompt (its present
         cameras' images in the tenant's camera order, then its instruction), tokens, pixel tensors and
-        token types (camera k, instruction text, prompt)."""
+        token types (camera k, instruction text, prompt), then `n_query` placeholders for the tenant's
+        query tokens (their vectors are placed in the forward: `forward_group(queries=...)`)."""
         if not isinstance(obs, Observation):
             raise InvalidInputError(f"obs: expected an Observation, got {type(obs).__name__}")
         obs.validate(self.schema)
@@ -140,11 +144,15 @@ class HFBackbone(Backbone):
             extra = self.family.split(_tensors(enc), [len(cams)])[0]
             ids = torch.tensor(enc["input_ids"][0], dtype=torch.long)
             mm = torch.tensor(enc["mm_token_type_ids"][0], dtype=torch.long)
-            rows.append(Row(ids, mm, extra))
             counts = self.family.image_tokens(self.processor, extra)
-            types.append(self._token_types(mm, enc["offset_mapping"][0], obs.instruction[b], cams, counts,
-                                           suffixes[b]))
-        return HFBatch(rows, types)
+            kinds = self._token_types(mm, enc["offset_mapping"][0], obs.instruction[b], cams, counts, suffixes[b])
+            if n_query:  # text tokens to the family's code (masks, positions); their embedding is replaced
+                ids = torch.cat([ids, ids.new_full((n_query,), self.pad_id)])
+                mm = torch.cat([mm, mm.new_zeros(n_query)])
+                kinds = torch.cat([kinds, kinds.new_full((n_query,), int(TokenType.QUERY))])
+            rows.append(Row(ids, mm, extra))
+            types.append(kinds)
+        return HFBatch(rows, types, n_query)
 
     def encode(self, batches: list[HFBatch]) -> dict:
         """The keyword arguments the transformers model is called with for these requests' rows
@@ -154,12 +162,16 @@ class HFBackbone(Backbone):
         dev = self.device
         return {k: to_device(v, dev, self.dtype if v.is_floating_point() else None) for k, v in kwargs.items()}
 
-    def forward_group(self, batches: list[HFBatch], n_layers: int = 0) -> list[VLAFeature]:
+    def forward_group(self, batches: list[HFBatch], n_layers: int = 0, queries: list | None = None
+                      ) -> list[VLAFeature]:
+        """`queries`: per request, its tenant's query vectors [Q, D] (`QueryTokens.weight`) for the Q
+        placeholders its batch was prepared with, or None."""
         if not 0 <= n_layers <= self.depth:
             raise ValueError(f"n_layers must be in [0, {self.depth}], got {n_layers}")
         kwargs = self.encode(batches)
         want_states = bool(n_layers) or self.layer is not None
-        out = self.model(**kwargs, output_hidden_states=want_states, use_cache=False, return_dict=True)
+        with self._queries_placed(batches, queries, kwargs["input_ids"].shape[1]):
+            out = self.model(**kwargs, output_hidden_states=want_states, use_cache=False, return_dict=True)
         states = out.hidden_states[1:] if want_states else ()  # the decoder layers' outputs, oldest first
         hidden = out.last_hidden_state if self.layer is None else states[self.layer - 1]
         kept = states[len(states) - n_layers:] if n_layers else ()
@@ -184,6 +196,34 @@ class HFBackbone(Backbone):
             features.append(VLAFeature(hidden_of[g][:, at], mask, types.to(hidden.device), self.meta,
                                        tuple(k[g][:, at] for k in kept_of)))
         return features
+
+    # ---- query tokens -------------------------------------------------------------------------------
+    def query_init(self) -> dict:
+        """What a tenant's query tokens are made like: the hidden size and the spread of the model's own
+        token embeddings as its embedding module gives them (Gemma's scales its table: the vectors are
+        placed after it)."""
+        embed = self.model.get_input_embeddings()
+        with torch.no_grad():
+            sample = embed(torch.arange(min(embed.num_embeddings, 4096), device=self.device))
+        return {"dim": sample.shape[-1], "std": float(sample.float().std())}
+
+    def _queries_placed(self, batches: list[HFBatch], queries: list | None, length: int):
+        """The hook that puts each request's query vectors at its rows' placeholders (the last n_query
+        tokens of each row, wherever the family's padding puts them)."""
+        wanted = [b.n_query for b in batches]
+        given = [0 if q is None else q.shape[0] for q in (queries or [None] * len(batches))]
+        if wanted != given:
+            raise ValueError(f"query tokens: the batches were prepared for {wanted}, the call gives {given}")
+        if not any(wanted):
+            return contextlib.nullcontext()
+        rows = [(len(r.input_ids), b.n_query, q) for b, q in zip(batches, queries) for r in b.rows]
+        positions = torch.zeros(len(rows), length, dtype=torch.bool)
+        for i, (n, k, _) in enumerate(rows):
+            if k:
+                end = n if self.family.padding_side == "right" else length
+                positions[i, end - k:end] = True
+        values = torch.cat([q for _, k, q in rows if k])
+        return placed(self.model.get_input_embeddings(), to_device(positions, self.device), values)
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _image(self, chw: Tensor) -> np.ndarray:

@@ -129,7 +129,7 @@ class Family:
 
 
 class QwenVL(Family):
-    """Qwen2-VL / Qwen2.5-VL: native-resolution patches (14 px, 2x2 merged), one flat tensor of every
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: native-resolution patches (14 px; Qwen3-VL's 16, 2x2 merged), one flat tensor of every
     image's patches with a (t, h, w) grid per image, and M-RoPE positions the model computes from the
     modality ids and the attention mask (so padding does not move them)."""
 
@@ -212,6 +212,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     QwenVL("qwen2_5_vl", ("qwen2_5_vl",), "transformers.Qwen2_5_VLModel",
            "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
            "transformers.Qwen2_5_VLProcessor"),
+    QwenVL("qwen3_vl", ("qwen3_vl",), "transformers.Qwen3VLModel",
+           "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
+           "transformers.Qwen3VLProcessor"),
     QwenVL("qwen2_vl", ("qwen2_vl",), "transformers.Qwen2VLModel",
            "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
            "transformers.Qwen2VLProcessor"),

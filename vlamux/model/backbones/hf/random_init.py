@@ -41,6 +41,13 @@ QWEN_SIZES = {
     "base": dict(text=(896, 24, 14, 2, 4864), vision=(1280, 32, 16, 3420)),  # Qwen2.5-VL with a 0.5B LM
     "3b": dict(text=(2048, 36, 16, 2, 11008), vision=(1280, 32, 16, 3420)),
 }
+# Qwen3-VL (same fields); "2b" is Qwen3-VL-2B's shape.
+QWEN3_SIZES = {
+    "tiny": dict(text=(64, 2, 4, 2, 128), vision=(32, 2, 2, 64)),
+    "small": dict(text=(512, 6, 8, 2, 1536), vision=(256, 6, 4, 768)),
+    "base": dict(text=(1024, 28, 16, 8, 3072), vision=(768, 12, 12, 3072)),
+    "2b": dict(text=(2048, 28, 16, 8, 6144), vision=(1024, 24, 16, 4096)),
+}
 # SmolVLM2: a Llama text model (hidden, layers, heads, kv, mlp), a SigLIP-like encoder (hidden, layers,
 # heads, mlp), image px, patch px; pixel-shuffle 2 (a camera: (px / patch)^2 / 4 tokens). "2b" is
 # SmolVLM2-2.2B's shape.
@@ -58,7 +65,7 @@ PALIGEMMA_SIZES = {
     "base": dict(text=(1024, 12, 8, 1, 4096), vision=(768, 12, 12, 3072), image=224, patch=14),
     "3b": dict(text=(2048, 18, 8, 1, 16384), vision=(1152, 27, 16, 4304), image=224, patch=14),
 }
-FAMILY_SIZES = {"qwen2_5_vl": QWEN_SIZES, "smolvlm": SMOLVLM_SIZES, "paligemma": PALIGEMMA_SIZES}
+FAMILY_SIZES = {"qwen2_5_vl": QWEN_SIZES, "qwen3_vl": QWEN3_SIZES, "smolvlm": SMOLVLM_SIZES, "paligemma": PALIGEMMA_SIZES}
 
 # Words the tokenizer learns merges from: what the built-in suite's instructions and chat prompts say.
 CORPUS = ("pick up the red green blue yellow purple orange cube ball block box and place push it into zone "
@@ -107,9 +114,9 @@ class _Make:
     device: torch.device
 
 
-def _write_qwen2_5_vl(size: dict, out: Path, make: _Make) -> Path:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
+def _qwen_files(out: Path, processor: str, patch: int, mean: list[float], std: list[float]) -> tuple:
+    """The tokenizer, chat template and preprocessor config Qwen-VL directories share (Qwen3-VL's
+    patches are 16 px and normalised to [-1, 1]; Qwen2/2.5-VL's 14 px, CLIP's statistics)."""
     tok = _tokenizer(QWEN_SPECIAL, 800)
     tok.save(str(out / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in QWEN_SPECIAL}
@@ -121,15 +128,26 @@ def _write_qwen2_5_vl(size: dict, out: Path, make: _Make) -> Path:
     }, indent=2))
     (out / "chat_template.json").write_text(json.dumps({"chat_template": QWEN_TEMPLATE}, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
-        "min_pixels": 56 * 56, "max_pixels": 28 * 28 * 1280, "patch_size": 14, "temporal_patch_size": 2,
-        "merge_size": 2, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
+        "min_pixels": (4 * patch) ** 2, "max_pixels": (2 * patch) ** 2 * 1280, "patch_size": patch,
+        "temporal_patch_size": 2, "merge_size": 2, "image_mean": mean, "image_std": std,
     }, indent=2))
+    return tok, ids
+
+
+def _mrope_section(head_dim: int) -> list[int]:
+    half = head_dim // 2  # M-RoPE splits a head's rotary half into (t, h, w) sections
+    return [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+
+
+def _write_qwen2_5_vl(size: dict, out: Path, make: _Make) -> Path:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tok, ids = _qwen_files(out, "Qwen2_5_VLProcessor", 14, [0.48145466, 0.4578275, 0.40821073],
+                           [0.26862954, 0.26130258, 0.27577711])
     hidden, layers, heads, kv, mlp = size["text"]
     v_hidden, v_depth, v_heads, v_mlp = size["vision"]
-    half = hidden // heads // 2  # M-RoPE splits a head's rotary half into (t, h, w) sections
-    section = [half // 4, (half - half // 4) // 2, half - half // 4 - (half - half // 4) // 2]
+    section = _mrope_section(hidden // heads)
     config = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=tok.get_vocab_size(), hidden_size=hidden, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=mlp,
@@ -145,6 +163,34 @@ def _write_qwen2_5_vl(size: dict, out: Path, make: _Make) -> Path:
     )
     config.vlamux_random_weights = True
     _save(Qwen2_5_VLForConditionalGeneration, config, out, make)
+    return out
+
+
+def _write_qwen3_vl(size: dict, out: Path, make: _Make) -> Path:
+    """Qwen3-VL: Qwen3 text layers (q/k norms, interleaved M-RoPE) and a vision tower whose middle
+    layers also feed the first text layers (DeepStack)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    tok, ids = _qwen_files(out, "Qwen3VLProcessor", 16, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
+    hidden, layers, heads, kv, mlp = size["text"]
+    v_hidden, v_depth, v_heads, v_mlp = size["vision"]
+    head_dim = hidden // heads
+    config = Qwen3VLConfig(
+        text_config=dict(vocab_size=tok.get_vocab_size(), hidden_size=hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv, intermediate_size=mlp, head_dim=head_dim,
+                         max_position_embeddings=32768, bos_token_id=ids["<|endoftext|>"],
+                         eos_token_id=ids["<|im_end|>"], tie_word_embeddings=True,
+                         rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                          "mrope_section": _mrope_section(head_dim), "mrope_interleaved": True}),
+        vision_config=dict(hidden_size=v_hidden, depth=v_depth, num_heads=v_heads, intermediate_size=v_mlp,
+                           out_hidden_size=hidden, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
+                           num_position_embeddings=256, deepstack_visual_indexes=list(range(min(3, v_depth - 1)))),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+    config.vlamux_random_weights = True
+    _save(Qwen3VLForConditionalGeneration, config, out, make)
     return out
 
 
@@ -247,4 +293,4 @@ def _save(model_class, config, out: Path, make: _Make) -> None:
     del model
 
 
-_WRITERS = {"qwen2_5_vl": _write_qwen2_5_vl, "smolvlm": _write_smolvlm, "paligemma": _write_paligemma}
+_WRITERS = {"qwen2_5_vl": _write_qwen2_5_vl, "qwen3_vl": _write_qwen3_vl, "smolvlm": _write_smolvlm, "paligemma": _write_paligemma}
