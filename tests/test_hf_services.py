@@ -27,10 +27,15 @@ def qwen_dir(tmp_path_factory):
     return write_random_model("qwen2_5_vl", "tiny", tmp_path_factory.mktemp("hf") / "qwen-tiny")
 
 
+OTHER_FAMILIES = ["qwen3_vl", "smolvlm", "paligemma"]
+
+
 @pytest.fixture(scope="module")
-def runtime(qwen_dir):
+def runtime(qwen_dir, tmp_path_factory):
+    others = {f: BackboneSpec(kind="hf", path=str(write_random_model(f, "tiny", tmp_path_factory.mktemp(f) / "m")),
+                              image_size=56) for f in OTHER_FAMILIES}
     cfg = RuntimeConfig(backbone=BackboneSpec(preset="tiny"), device="cpu",
-                        backbones={"qwen": BackboneSpec(kind="hf", path=str(qwen_dir), image_size=56)},
+                        backbones={"qwen": BackboneSpec(kind="hf", path=str(qwen_dir), image_size=56), **others},
                         inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.005))
     with EmbeddedRuntime(cfg) as rt:
         yield rt
@@ -38,7 +43,9 @@ def runtime(qwen_dir):
 
 def test_the_service_lists_its_backbones(runtime, qwen_dir):
     listed = runtime.describe_backbones()
-    assert [b["name"] for b in listed] == ["tiny", "qwen"] and listed[0]["default"] and not listed[1]["default"]
+    assert [b["name"] for b in listed] == ["tiny", "qwen", *OTHER_FAMILIES]
+    assert listed[0]["default"] and not any(b["default"] for b in listed[1:])
+    assert [b["family"] for b in listed[1:]] == ["qwen2_5_vl", *OTHER_FAMILIES]
     hf = listed[1]
     assert hf["kind"] == "hf" and hf["family"] == "qwen2_5_vl" and hf["random_weights"] is True
     assert hf["parameters"] > 0 and hf["resident_bytes"] >= 4 * hf["parameters"] and hf["dtype"] == "float32"
@@ -62,9 +69,10 @@ def test_slots_name_their_backbone_and_groups_keep_apart(runtime):
         runtime.create_slot("nowhere", HEAD, backbone="llama")
 
 
-@pytest.mark.parametrize("query_tokens", [0, 4])
-def test_an_sft_job_on_the_hf_backbone_lowers_its_loss(runtime, tmp_path, query_tokens):
-    """Also with learned query tokens appended to the prompt (and nothing else of the backbone adapted)."""
+@pytest.mark.parametrize("backbone,query_tokens", [("qwen", 0), ("qwen", 4), *[(f, 0) for f in OTHER_FAMILIES]])
+def test_an_sft_job_on_the_hf_backbone_lowers_its_loss(runtime, tmp_path, backbone, query_tokens):
+    """On each family, in one service beside the others; also with learned query tokens appended to the
+    prompt (and nothing else of the backbone adapted)."""
     from vlamux.data.demos import generate
     from vlamux.jobs import JobSpecError
     from vlamux.jobs.master import MasterService
@@ -72,8 +80,8 @@ def test_an_sft_job_on_the_hf_backbone_lowers_its_loss(runtime, tmp_path, query_
     data = tmp_path / "demos"
     generate(["goal/touch-red-cube"], 4, data, image_size=32, workers=1, progress=None)
     master = MasterService(runtime, tmp_path / "jobs")
-    tenant = f"hf-sft-q{query_tokens}"
-    spec = {"name": tenant, "tenant": tenant, "kind": "sft", "backbone": "qwen",
+    tenant = f"hf-sft-{backbone.replace('_', '-')}-q{query_tokens}"
+    spec = {"name": tenant, "tenant": tenant, "kind": "sft", "backbone": backbone,
             "head": {"kind": "l1_chunk", "action_dim": 4, "horizon": 4, "state_dim": 8, "width": 64, "depth": 1,
                      "query_tokens": query_tokens},
             "optimizer": {"lr": 1e-3}, "sft": {"dataset": str(data), "steps": 120, "batch_size": 16, "camera_map": {
@@ -86,7 +94,7 @@ def test_an_sft_job_on_the_hf_backbone_lowers_its_loss(runtime, tmp_path, query_
     losses = [float(r.split(",")[header.index("loss")]) for r in rows[1:]]
     assert sum(losses[-10:]) / 10 < 0.85 * sum(losses[:10]) / 10, losses
     slot = runtime.training.runner.slot(tenant)
-    assert slot.backbone_id == runtime.backbone_id("qwen")
+    assert slot.backbone_id == runtime.backbone_id(backbone)
     assert (slot.queries is not None) == bool(query_tokens)
     with pytest.raises(JobSpecError, match="qwen"):
         master.submit({**spec, "name": "x", "tenant": "x", "backbone": "llama"})
