@@ -122,6 +122,9 @@ def world(svc):
         t.add(svc.root / "datasets" / "tiny", arcname="tiny")
     ok(c.post("/v1/datasets", params={"name": "acme-data-zz"}, content=buf.getvalue(),
               headers={**A, "Content-Type": "application/x-tar"}), 201)
+    upload = ok(c.post("/v1/uploads", json={"bytes": 10}, headers=A), 201).json()["upload"]
+    ok(c.put(f"/v1/uploads/{upload['id']}", params={"offset": 0}, content=b"01234",
+             headers={**A, "Content-Type": "application/octet-stream"}))
     default_key = ok(c.get("/v1/keys", headers=A)).json()["keys"][0]
     extra = ok(c.post("/v1/keys", json={"name": "acme-extra-key"}, headers=A), 201).json()
 
@@ -135,12 +138,15 @@ def world(svc):
     metrics = ok(c.get(f"/v1/jobs/{job['id']}/metrics", headers=A)).json()["rows"]
     assert metrics and all(r["loss"] is not None for r in metrics)
 
+    policy = ok(c.get(f"/v1/policies/{job['id']}/download", headers=A)).content
+    ok(c.post("/v1/policy-files", params={"name": "acme-pol-zz"}, content=policy,
+              headers={**A, "Content-Type": "application/octet-stream"}), 201)
     b_slot = ok(c.post("/v1/training/slots", json={"head": HEAD}, headers=B), 201).json()["policy"]
     b_session = ok(c.post("/v1/sessions", json={"env": ENV, "n_envs": 1}, headers=B), 201).json()["session"]
 
     ids = {"tenant": a_id, "job": job["id"], "slot": slot["id"], "future": fb["id"], "session": session["id"],
            "key": default_key["id"], "extra_key": extra["key"]["id"], "checkpoint": checkpoint["id"],
-           "dataset": "acme-data-zz",
+           "dataset": "acme-data-zz", "policy_file": "acme-pol-zz", "upload": upload["id"],
            **{f"job_checkpoint_{i}": cp["id"] for i, cp in enumerate(job_cps)}}
     # Everything of A's that B must never see: ids, names, secrets and numbers of A's state.
     secrets = {**ids, "name": "acme-zq7x", "slot_name": "acme-slot-qq", "extra_key_name": "acme-extra-key",
@@ -203,6 +209,12 @@ def _valid_request(method: str, path: str, w) -> dict:
         "GET /v1/jobs/{job_id}/events": lambda: {},
         "GET /v1/policies/{policy_id}/download": lambda: {},
         "DELETE /v1/datasets/{name}": lambda: {},
+        "DELETE /v1/policy-files/{name}": lambda: {},
+        "GET /v1/uploads/{upload_id}": lambda: {},
+        "PUT /v1/uploads/{upload_id}": lambda: {"params": {"offset": 5}, "content": b"56789",
+                                                "headers": {"Content-Type": "application/octet-stream"}},
+        "POST /v1/uploads/{upload_id}/finish": lambda: {"json": {"as": "dataset", "name": "acme-up-zz"}},
+        "DELETE /v1/uploads/{upload_id}": lambda: {},
         "GET /v1/policies/{policy_id}": lambda: {},
         "GET /v1/policies/{policy_id}/versions": lambda: {},
         "GET /v1/futures/{future_id}": lambda: {},
@@ -215,10 +227,12 @@ def _valid_request(method: str, path: str, w) -> dict:
 
 # Which of A's ids fill each path parameter (a job's policy id is its job id: both are policies).
 PARAM_IDS = {"policy_id": ["slot", "job"], "job_id": ["job"], "future_id": ["future"], "session_id": ["session"],
-             "key_id": ["key", "extra_key"], "tenant_id": ["tenant"], "name": ["dataset"]}
+             "key_id": ["key", "extra_key"], "tenant_id": ["tenant"], "name": ["dataset", "policy_file"],
+             "upload_id": ["upload"]}
 # Calls that change A's resources irreversibly: A's own control call for these is made at the end.
 DESTRUCTIVE = {"DELETE /v1/sessions/{session_id}", "DELETE /v1/keys/{key_id}", "POST /v1/tenants/{tenant_id}/disable",
-               "DELETE /v1/datasets/{name}"}
+               "DELETE /v1/datasets/{name}", "DELETE /v1/policy-files/{name}", "POST /v1/uploads/{upload_id}/finish",
+               "DELETE /v1/uploads/{upload_id}"}
 
 
 def id_calls(app, w):
@@ -261,6 +275,8 @@ def a_state(svc, w) -> dict:
             "keys": [{k: v for k, v in key.items() if k != "last_used_at"}
                      for key in ok(c.get("/v1/keys", headers=w.A)).json()["keys"]],
             "job": {k: v for k, v in ok(c.get(f"/v1/jobs/{w.ids['job']}", headers=w.A)).json()["job"].items()},
+            "upload": ok(c.get(f"/v1/uploads/{w.ids['upload']}", headers=w.A)).json(),
+            "files": [ok(c.get(f"/v1/{what}", headers=w.A)).json() for what in ("datasets", "policy-files")],
             "tenant": [t for t in ok(c.get("/v1/tenants", headers=bearer(svc.admin))).json()["tenants"]
                        if t["id"] == w.a_id]}
 
@@ -334,7 +350,7 @@ def test_list_endpoints_show_only_the_callers_resources(svc, world):
     c, w = svc.client, world
     svc.host.meter.tick()  # usage totals are current
     lists = {path: ok(c.get(path, headers=w.B)) for path in
-             ("/v1/jobs", "/v1/policies", "/v1/keys", "/v1/sessions", "/v1/usage", "/v1/datasets")}
+             ("/v1/jobs", "/v1/policies", "/v1/keys", "/v1/sessions", "/v1/usage", "/v1/datasets", "/v1/policy-files")}
     for r in lists.values():
         assert_no_leak(r, w.secrets)
     # The lists are B's own, not empty ones.
@@ -343,7 +359,8 @@ def test_list_endpoints_show_only_the_callers_resources(svc, world):
     assert lists["/v1/jobs"].json()["jobs"] == []
     assert len(lists["/v1/keys"].json()["keys"]) == 1
     assert list(lists["/v1/usage"].json()["usage"]) == [w.b_id]
-    assert lists["/v1/datasets"].json()["datasets"] == [{"name": "tiny", "public": True}]  # A's own is not there
+    assert lists["/v1/datasets"].json()["datasets"] == [{"name": "tiny", "format": "lerobot", "public": True}]
+    assert lists["/v1/policy-files"].json()["policy_files"] == []  # A's own are not there
     # And A sees its own.
     a_policies = {p["id"] for p in ok(c.get("/v1/policies", headers=w.A)).json()["policies"]}
     assert a_policies == {w.ids["slot"], w.ids["job"]}

@@ -405,7 +405,7 @@ def datasets(ctx) -> None:
     """The datasets a job may name in sft.dataset: the service's (public) and yours; `upload` adds one."""
     if ctx.invoked_subcommand is None:
         for d in _client(ctx).datasets():
-            click.echo(f"{d['name']}  {'public' if d.get('public', True) else 'yours'}")
+            click.echo(f"{d['name']}  {'public' if d.get('public', True) else 'yours'}  {d.get('format', 'lerobot')}")
 
 
 @datasets.command("upload")
@@ -413,7 +413,8 @@ def datasets(ctx) -> None:
 @click.option("--name", default=None, help="Its name in job specs (default: the directory's name).")
 @click.pass_context
 def datasets_upload(ctx, path: Path, name: str | None) -> None:
-    """Upload LeRobot dataset PATH (a directory, or a .tar/.tar.gz of one) as your private dataset."""
+    """Upload dataset PATH as your private dataset: a LeRobot directory (or a .tar/.tar.gz of one), or a
+    robomimic / LIBERO .hdf5 file. Large files go in resumable chunks."""
     d = _client(ctx).upload_dataset(str(path), name)
     click.echo(f"dataset {d['name']}: {d['episodes']} episodes, {d['frames']} frames, {d['bytes']} bytes")
 
@@ -444,6 +445,23 @@ def policies_download(ctx, policy_id: str, version: int | None, out: str | None)
     """Save policy POLICY_ID as one file: run it with vlamux.policy.load(FILE, backbone=...)."""
     path = _client(ctx).policy(policy_id).download(out, version)
     click.echo(f"wrote {path}")
+
+
+@policies.command("upload")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--name", default=None, help="Its name for a job's init_from (default: from the file's name).")
+@click.pass_context
+def policies_upload(ctx, path: Path, name: str | None) -> None:
+    """Upload policy file PATH (a download's); a job spec's `init_from: NAME` starts from it."""
+    f = _client(ctx).upload_policy_file(str(path), name)
+    click.echo(f"policy file {f['name']}: version {f['policy_version']} on backbone {f['backbone']}, {f['bytes']} bytes")
+
+
+@policies.command("files")
+@click.pass_context
+def policies_files(ctx) -> None:
+    """The policy files you uploaded."""
+    _table(_client(ctx).policy_files(), ["name", "bytes"])
 
 
 @main.command()

@@ -99,17 +99,35 @@ def load(path: str | Path, backbone: str | BackboneSpec | Backbone, device: str 
          dtype: torch.dtype = torch.float32) -> Policy:
     """Load a policy file onto `backbone` (a preset or shipped weights name, a model directory, a
     BackboneSpec, or a built backbone), on `device`. Refuses a backbone other than the policy's own."""
-    tensors, meta = read_policy(path)
     if isinstance(backbone, str):
         backbone = spec_from_arg(backbone)
     if isinstance(backbone, BackboneSpec):
         backbone = build_backbone(backbone, device=device, dtype=dtype)
+    snap, meta = policy_snapshot(path, backbone, TENANT)
+    runner = ModelRunner(backbone)
+    runner.apply_policy(snap)
+    return Policy(runner, meta)
+
+
+def policy_snapshot(path: str | Path, backbone: Backbone, tenant: str) -> tuple[PolicySnapshot, dict]:
+    """A policy file as `tenant`'s snapshot on `backbone` (verified, and refused for another backbone
+    than its own), and the file's metadata."""
+    tensors, meta = read_policy(path)
     theirs, mine = meta["backbone_sha256"], backbone_sha256(backbone)
     if theirs != mine:
         raise IncompatibleError(f"{path}: trained on backbone {meta['backbone_id']!r} (sha256 {theirs[:16]}...), "
                                 f"not on {backbone.backbone_id!r} (sha256 {mine[:16]}...)")
-    runner = ModelRunner(backbone)
-    snap = PolicySnapshot(TENANT, int(meta["policy_version"]), backbone.backbone_id,
+    snap = PolicySnapshot(tenant, int(meta["policy_version"]), backbone.backbone_id,
                           HeadSpec.from_json(meta["head_spec"]), tensors, json.loads(meta["stats_modes"]))
-    runner.apply_policy(snap)
-    return Policy(runner, meta)
+    return snap, meta
+
+
+def is_policy_file(path: str | Path) -> bool:
+    """Whether `path` is a policy file (by its metadata; a slot checkpoint is not)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return (f.metadata() or {}).get("format") == FORMAT
+    except Exception:  # noqa: BLE001 - not a readable safetensors file: not a policy file either
+        return False

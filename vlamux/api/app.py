@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlamux.api import wire
 from vlamux.api.admission import ADMITTED, Admission
-from vlamux.api.errors import UPLOAD_TYPES, ApiError, BodyLimit, error_response, translate
+from vlamux.api.errors import ApiError, BodyLimit, error_response, translate
+from vlamux.api.file_routes import add_file_routes
 from vlamux.api.host import NotFound, Principal, ServiceHost, json_safe
 from vlamux.api.keycache import TTLCache
 from vlamux.api.validate import (MSGPACK, MSGPACK_OUT, KeyIn, LoadStateIn, OptimStepIn, QuotasIn, ResetIn, SessionIn,
@@ -208,35 +208,7 @@ def create_app(host: ServiceHost) -> FastAPI:
     def backbones(p: Principal = Depends(principal)):
         return {"backbones": host.backbones()}
 
-    @app.get("/v1/datasets")
-    def datasets(t: str = Depends(tenant)):
-        return {"datasets": host.datasets(t)}
-
-    @app.post("/v1/datasets", status_code=201)
-    async def upload_dataset(request: Request, name: str = Query(min_length=1, max_length=64),
-                             t: str = Depends(tenant)):
-        """A private LeRobot dataset, sent as a tar archive (plain or gzip): streamed to disk, unpacked
-        safely, read back, then the tenant's (`sft.dataset: NAME` in its jobs). 201 with what it holds."""
-        ctype = request.headers.get("content-type", "").split(";", 1)[0].strip().lower().encode()
-        if ctype not in UPLOAD_TYPES:
-            raise ApiError(415, "invalid_input", "content-type: expected application/x-tar or application/gzip",
-                           "content-type")
-        spool = host.data_dir / "tenants" / t / "uploads"
-        await run_in_threadpool(spool.mkdir, parents=True, exist_ok=True)
-        archive = spool / f"{uuid.uuid4().hex}.tar"
-        try:
-            with open(archive, "wb") as f:  # never the whole body in memory: chunk by chunk to disk
-                async for chunk in request.stream():
-                    if chunk:
-                        await run_in_threadpool(f.write, chunk)
-            return {"dataset": await run_in_threadpool(host.upload_dataset, t, name, archive)}
-        finally:
-            archive.unlink(missing_ok=True)
-
-    @app.delete("/v1/datasets/{name}", status_code=204)
-    def delete_dataset(name: str, t: str = Depends(tenant)):
-        host.delete_dataset(t, name)
-        return Response(status_code=204)
+    add_file_routes(app, host, tenant)
 
     @app.post("/v1/jobs", status_code=202)
     def submit(spec: dict[str, Any], t: str = Depends(tenant)):

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from vlamux.api import wire
-from vlamux.api.host import Conflict, NotFound, QuotaExceeded
+from vlamux.api.faults import Conflict, NotFound, QuotaExceeded, TooLarge
 from vlamux.errors import IncompatibleError, InvalidInputError, UnknownTenantError, VlamuxError, public_message
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ def translate(e: Exception) -> JSONResponse:
         return error_response(404, "not_found", str(e.args[0]) if e.args else "not found")
     if isinstance(e, Conflict):
         return error_response(409, "conflict", str(e))
+    if isinstance(e, TooLarge):
+        return error_response(413, "payload_too_large", str(e), field_of(str(e)))
     if isinstance(e, wire.WireError) and not e.field:  # the body as a whole does not decode
         message = str(e) if str(e).startswith("body") else f"body: {e}"
         return error_response(422, "invalid_input", message, "body")
@@ -69,7 +71,12 @@ def translate(e: Exception) -> JSONResponse:
                                                f"in the service's log")
 
 
-UPLOAD_TYPES = (b"application/x-tar", b"application/gzip", b"application/x-gzip", b"application/octet-stream")
+UPLOAD_TYPES = (b"application/x-tar", b"application/gzip", b"application/x-gzip", b"application/x-hdf5",
+                b"application/octet-stream")
+
+
+def _is_upload(path: str) -> bool:
+    return path in ("/v1/datasets", "/v1/policy-files") or (path.startswith("/v1/uploads/") and path.count("/") == 3)
 
 
 class BodyLimit:
@@ -93,7 +100,7 @@ class BodyLimit:
         ctype = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
         if ctype in (b"application/msgpack", b"application/x-msgpack"):
             limit = self.max_bytes
-        elif ctype in UPLOAD_TYPES and scope.get("path") == "/v1/datasets":  # streamed to disk, not parsed
+        elif ctype in UPLOAD_TYPES and _is_upload(scope.get("path", "")):  # streamed to disk, not parsed
             limit = self.upload_limit
             upload = True
         else:

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import hashlib
 import logging
 import os
-import re
-import shutil
 import threading
 import time
 import uuid
@@ -24,36 +21,23 @@ from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from vlamux.api.faults import Conflict, NotFound, QuotaExceeded
 from vlamux.api.keycache import TTLCache
 from vlamux.api.metering import Meter, RateLimiter
 from vlamux.api.quotas import WHAT, Ledger, Need, QuotaRefused, session_processes
+from vlamux.api.tenant_files import TenantFiles
 from vlamux.errors import CorruptCheckpointError, InvalidInputError, VlamuxError, public_message
 from vlamux.jobs.master import MasterService
 from vlamux.jobs.spec import JobSpecError, load_spec
 from vlamux.model.slot import read_slot_file
 from vlamux.store import Store, secret_digest
+from vlamux.utils.io import file_sha256
 
 log = logging.getLogger(__name__)
 
 DEFAULT_QUOTAS = {"max_concurrent_jobs": 4, "max_training_slots": 8, "max_env_sessions": 8, "max_envs": 64,
                   "max_env_processes": 16, "max_dataset_mb": 2048, "requests_per_s": 50.0}
-DATASET_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 FUTURE_TTL_S = 600.0  # a finished future's result is kept this long for the client to read
-
-
-class NotFound(VlamuxError, KeyError):
-    def __str__(self) -> str:  # KeyError would quote the message
-        return str(self.args[0]) if self.args else "not found"
-
-
-class Conflict(VlamuxError):
-    pass
-
-
-class QuotaExceeded(VlamuxError):
-    def __init__(self, message: str, retry_after_s: float = 1.0):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
 
 
 @dataclass
@@ -126,7 +110,7 @@ class ServiceHost:
         self.ledger = Ledger({"processes": cap if cap is not None else 8 * (os.cpu_count() or 1)})
         self._futures: dict[str, _Future] = {}
         self._waits: dict[str, int] = {}
-        self._dataset_locks: dict[str, threading.Lock] = {}
+        self.files = TenantFiles(self.data_dir, self.quotas, self._backbone_hashes)
         self._own_ray = False
         self._lock = threading.Lock()
         self.started_at = time.time()
@@ -198,6 +182,10 @@ class ServiceHost:
         """The backbones the services hold (GET /v1/backbones): name, id, kind, parameters, dtype,
         resident memory, tokens per camera."""
         return self.runtime.describe_backbones()
+
+    def _backbone_hashes(self) -> dict[str, str]:
+        """{content sha256: name} of the backbones held (a policy file must fit one of them)."""
+        return {b["sha256"]: b["name"] for b in self.runtime.describe_backbones() if b.get("sha256")}
 
     # ---- authentication and tenants -------------------------------------------------------------
     def authenticate(self, secret: str) -> Principal | None:
@@ -280,9 +268,11 @@ class ServiceHost:
         raw = dict(raw)
         raw.setdefault("name", f"job-{job_id}")
         raw["tenant"] = slot_key(tenant_id, job_id)
-        if raw.get("init_from") is not None:
-            raise JobSpecError("init_from: not available over the API; start from a policy's checkpoint with "
-                               "the training client's load_state")
+        if raw.get("init_from") is not None:  # over the API: the name of a policy file the tenant uploaded
+            try:
+                raw["init_from"] = str(self.files.policy_file_path(tenant_id, raw["init_from"], "init_from"))
+            except InvalidInputError as e:
+                raise JobSpecError(str(e)) from None
         if raw.get("init_adapter") is not None:
             raise JobSpecError("init_adapter: not available over the API (a path on the service's machine)")
         sft = raw.get("sft")
@@ -294,68 +284,11 @@ class ServiceHost:
         _check_envs(spec, self.config.gym_envs)
         return spec
 
-    def _own_datasets(self, tenant_id: str) -> Path:
-        return self.data_dir / "tenants" / tenant_id / "datasets"
-
     def dataset_path(self, name, field_name: str, tenant_id: str | None = None) -> Path:
-        """A dataset a job of `tenant_id` may read: its own (uploaded) one of that name, else the
-        service's public one. Another tenant's datasets do not exist for it."""
-        if not isinstance(name, str) or not DATASET_NAME.fullmatch(name):
-            raise JobSpecError(f"{field_name}: the name of a dataset (GET /v1/datasets), got {str(name)[:80]!r}")
-        for root in ([self._own_datasets(tenant_id)] if tenant_id else []) + [self.data_dir / "datasets"]:
-            if (root / name / "meta" / "info.json").exists():
-                return (root / name).resolve()
-        raise JobSpecError(f"{field_name}: no dataset {name!r} (GET /v1/datasets)")
-
-    def datasets(self, tenant_id: str | None = None) -> list[dict]:
-        """The service's public datasets, and the tenant's own (private) ones with their sizes."""
-        public = self.data_dir / "datasets"
-        out = [{"name": p.name, "public": True} for p in sorted(public.iterdir()) if (p / "meta" / "info.json").exists()]
-        own = self._own_datasets(tenant_id) if tenant_id else None
-        if own is not None and own.is_dir():
-            out += [{"name": p.name, "public": False, "bytes": _du(p)} for p in sorted(own.iterdir())
-                    if not p.name.startswith(".") and (p / "meta" / "info.json").exists()]
-        return out
-
-    def upload_dataset(self, tenant_id: str, name: str, archive: Path) -> dict:
-        """Accept `archive` (a tar of a LeRobot dataset, already on disk) as the tenant's dataset `name`:
-        unpacked safely, read back, within the tenant's max_dataset_mb, then moved into place at once.
-        Nothing is left behind by a refusal."""
-        from vlamux.api.uploads import ArchiveLimits, dataset_root, scratch, unpack, validate
-
-        if not DATASET_NAME.fullmatch(name):
-            raise InvalidInputError(f"name: letters, digits, '-', '_' and '.', 1 to 64, got {name[:80]!r}")
-        own = self._own_datasets(tenant_id)
-        own.mkdir(parents=True, exist_ok=True)
-        limit = int(float(self.quotas(tenant_id)["max_dataset_mb"]) * (1 << 20))
-        with self._dataset_lock(tenant_id):  # one upload of a tenant at a time: its quota check holds
-            if (own / name).exists() or (self.data_dir / "datasets" / name / "meta" / "info.json").exists():
-                raise Conflict(f"name: a dataset {name!r} exists already (delete yours first, or pick another name)")
-            used = sum(_du(p) for p in own.iterdir() if not p.name.startswith("."))
-            tmp = scratch(own)
-            try:
-                unpack(archive, tmp, ArchiveLimits(max_bytes=max(0, limit - used) + 1))
-                root = dataset_root(tmp)
-                size = _du(root)
-                if used + size > limit:
-                    raise QuotaExceeded(f"quota: {used + size} bytes of datasets would exceed max_dataset_mb "
-                                        f"({limit >> 20} MB); delete one first", retry_after_s=60.0)
-                info = validate(root)
-                os.replace(root, own / name)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-        return {"name": name, "public": False, "bytes": size, **info}
-
-    def delete_dataset(self, tenant_id: str, name: str) -> None:
-        path = self._own_datasets(tenant_id) / name
-        if not DATASET_NAME.fullmatch(name) or not (path / "meta" / "info.json").exists():
-            raise NotFound(f"no dataset {name!r} of yours")
-        with self._dataset_lock(tenant_id):
-            shutil.rmtree(path)
-
-    def _dataset_lock(self, tenant_id: str) -> threading.Lock:
-        with self._lock:
-            return self._dataset_locks.setdefault(tenant_id, threading.Lock())
+        try:
+            return self.files.dataset_path(name, field_name, tenant_id)
+        except InvalidInputError as e:
+            raise JobSpecError(str(e)) from None
 
     def _start_job(self, job_id: str, tenant_id: str, spec, workdir: Path) -> None:
         def on_event(job, kind: str, detail: dict) -> None:
@@ -371,7 +304,7 @@ class ServiceHost:
                 self.store.set_job_progress(job_id, json_safe(_jsonable(job.progress)))
                 path = Path(detail["path"])
                 self.store.add_checkpoint(tenant_id, job_id, int(detail["policy_version"]), str(path),
-                                          path.stat().st_size, _sha256(path), job_id=job_id)
+                                          path.stat().st_size, file_sha256(path), job_id=job_id)
 
         self.master.submit(spec, job_id=job_id, job_dir=workdir, on_event=on_event)
 
@@ -624,7 +557,7 @@ class ServiceHost:
         path = Path(cp.path)
         if not path.is_file():
             raise CorruptCheckpointError(f"checkpoint {cp.id}: its file is missing")
-        if _sha256(path) != cp.sha256:
+        if file_sha256(path) != cp.sha256:
             raise CorruptCheckpointError(f"checkpoint {cp.id}: the file does not match the sha256 recorded when "
                                          f"it was saved (altered or damaged since)")
 
@@ -660,7 +593,7 @@ class ServiceHost:
             # Calls of a slot run in order, so at completion the slot still holds the saved version.
             version = self.runtime.training.version(key)
             cp = self.store.add_checkpoint(tenant_id, policy_id, version, str(path), path.stat().st_size,
-                                           _sha256(path))
+                                           file_sha256(path))
             out.set_result({"checkpoint": _checkpoint_view(cp)})
 
         self.runtime.save_state(key, path).add_done_callback(saved)
@@ -825,19 +758,6 @@ def _usable(rec) -> None:
 
 def _scrub(e: BaseException) -> str:
     return public_message(f"{type(e).__name__}: {e}")
-
-
-def _du(path: Path) -> int:
-    """Bytes of the files under path."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _num(v: str):

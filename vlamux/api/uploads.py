@@ -108,3 +108,48 @@ def validate(root: Path) -> dict:
 
 def scratch(parent: Path) -> Path:
     return parent / f".upload-{uuid.uuid4().hex}"
+
+
+def check_hdf5(path: Path) -> None:
+    """An HDF5 file that reads only itself: no external or soft links, no virtual datasets and no
+    external storage (each could make the service read another file of its disk)."""
+    import h5py
+
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise InvalidInputError(f"body: not a readable HDF5 file ({e})") from None
+    with f:
+        bad: list[str] = []
+
+        def visit(name: str, link) -> None:
+            if isinstance(link, (h5py.ExternalLink, h5py.SoftLink)):
+                bad.append(f"{name} is a {type(link).__name__}")
+                return
+            obj = f.get(name)
+            if isinstance(obj, h5py.Dataset) and (obj.is_virtual or obj.external):
+                bad.append(f"{name} is stored outside the file")
+
+        f.visititems_links(visit)
+        if bad:
+            raise InvalidInputError(f"body: HDF5 key {bad[0]}; links and external storage are not allowed")
+
+
+def validate_hdf5(path: Path, name: str) -> dict:
+    """Read a robomimic / LIBERO file back as training will (its demos, a frame of the first and last
+    demo's cameras and arrays): what it holds, or an error naming the key."""
+    from vlamux.data import RobomimicDataset
+    from vlamux.data.lerobot import DatasetError
+
+    try:
+        with RobomimicDataset(path) as ds:
+            n = ds.num_episodes
+            cameras = [k for k, v in ds.features.items() if v["dtype"] == "image"]
+            for i in sorted({0, n - 1}):
+                for key, v in ds.features.items():
+                    ds.episode_images(i, key) if v["dtype"] == "image" else ds.episode_array(i, key)
+            return {"episodes": n, "frames": ds.num_frames, "cameras": cameras,
+                    "keys": sorted(k for k, v in ds.features.items() if v["dtype"] != "image")}
+    except (DatasetError, OSError, ValueError, KeyError) as e:
+        msg = str(e).replace(str(path), name)
+        raise InvalidInputError(f"body: the HDF5 dataset does not read: {msg}") from None

@@ -9,7 +9,8 @@
     rl: {env: {task: goal/touch-red-cube, image_size: 32, n_action_steps: 2}, env_steps: 20000}
     eval: {tasks: [goal/touch-red-cube], episodes: 20}
     checkpoint_every: 10          # optimizer steps (SFT) or trained segments (RL)
-    init_from: runs/sft/acme/checkpoint.safetensors   # optional: start from this slot file
+    init_from: runs/sft/acme/checkpoint.safetensors   # optional: start from this slot file or policy file
+                                                      # (over the API: the name of an uploaded policy file)
     init_adapter: DIR             # optional: start the head's adapter from a PEFT LoRA directory
 
 A job whose head has an adapter also writes it in PEFT's layout to `<job dir>/adapter/`.

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -101,15 +102,33 @@ class Client:
         and the tenant's own (``{"name", "public", "bytes"?}``)."""
         return self._http.get("/v1/datasets")["datasets"]
 
-    def upload_dataset(self, path: str, name: str | None = None, timeout_s: float = 3600.0) -> dict:
-        """Upload the LeRobot dataset directory `path` (or a .tar / .tar.gz of one) as this tenant's
-        private dataset `name` (default: the directory's name). The service reads it back before it
-        accepts it; errors name the file and the key. Returns what it holds (episodes, frames, bytes)."""
-        return self._http.upload(f"/v1/datasets", path, params={"name": name or _dataset_name(path)},
-                                 timeout_s=timeout_s)["dataset"]
+    def upload_dataset(self, path: str, name: str | None = None, timeout_s: float = 3600.0,
+                       progress: Callable[[int, int], None] | None = None) -> dict:
+        """Upload the LeRobot dataset directory `path` (or a .tar / .tar.gz of one), or a robomimic /
+        LIBERO HDF5 file, as this tenant's private dataset `name` (default: the file's or directory's
+        name). Large files go in resumable chunks (`progress(sent, total)` after each). The service reads
+        it back before it accepts it; errors name the file and the key. Returns what it holds."""
+        from vlamux.sdk.uploads import upload
+
+        return upload(self._http, path, "dataset", name or _dataset_name(path), timeout_s=timeout_s, progress=progress)
 
     def delete_dataset(self, name: str) -> None:
         self._http.delete(f"/v1/datasets/{name}")
+
+    def upload_policy_file(self, path: str, name: str | None = None, timeout_s: float = 600.0) -> dict:
+        """Upload a policy file (`policy.download()`'s, perhaps from another service holding the same
+        backbone) as `name`: a job spec's ``init_from: NAME`` starts from it."""
+        from vlamux.sdk.uploads import upload
+
+        base = os.path.basename(path)
+        default = base[:-len(".policy.safetensors")] if base.endswith(".policy.safetensors") else base.rsplit(".", 1)[0]
+        return upload(self._http, path, "policy_file", name or default, timeout_s=timeout_s)
+
+    def policy_files(self) -> list[dict]:
+        return self._http.get("/v1/policy-files")["policy_files"]
+
+    def delete_policy_file(self, name: str) -> None:
+        self._http.delete(f"/v1/policy-files/{name}")
 
     def policies(self) -> list[dict]:
         return self._http.get("/v1/policies")["policies"]
@@ -399,10 +418,8 @@ def _yaml(text: str):
 
 
 def _dataset_name(path: str) -> str:
-    import os
-
     base = os.path.basename(os.path.normpath(path))
-    for ext in (".tar.gz", ".tgz", ".tar"):
+    for ext in (".tar.gz", ".tgz", ".tar", ".hdf5", ".h5"):
         if base.endswith(ext):
             return base[: -len(ext)]
     return base

@@ -130,36 +130,20 @@ class HTTP:
             delay = retry_after + random.uniform(0.0, min(1.0, 0.1 * retry_after + 0.05))
         return delay
 
-    def upload(self, path: str, source: str, params: dict | None = None, timeout_s: float | None = None) -> Any:
-        """POST a directory (packed as .tar.gz into a temporary file first) or a .tar/.tar.gz file,
-        streamed from disk; the decoded answer. Not retried: the upload may have been accepted."""
-        import os
-        import tarfile
-        import tempfile
-
-        tmp = None
-        if os.path.isdir(source):
-            fd, tmp = tempfile.mkstemp(suffix=".tar.gz")
-            os.close(fd)
-            with tarfile.open(tmp, "w:gz") as t:
-                t.add(source, arcname=os.path.basename(os.path.normpath(source)))
-            source_file, ctype = tmp, "application/gzip"
-        elif os.path.isfile(source):
-            source_file = source
-            ctype = "application/gzip" if source.endswith((".gz", ".tgz")) else "application/x-tar"
-        else:
-            raise FileNotFoundError(f"{source}: no such directory or file")
+    def send(self, method: str, path: str, content, ctype: str, params: dict | None = None,
+             timeout_s: float | None = None) -> Any:
+        """One request with a raw body (bytes, or a file streamed from disk); the decoded answer. Not
+        retried: a body that was read cannot be sent again, and the call may have run."""
         try:
-            with open(source_file, "rb") as f:
-                resp = self._client.post(path, params={k: v for k, v in (params or {}).items() if v is not None},
-                                         content=f, headers={"Content-Type": ctype},
-                                         timeout=httpx.Timeout(timeout_s or self.timeout_s, connect=10.0))
-            if resp.status_code >= 400:
-                raise _error(resp)
-            return _decode(resp)
-        finally:
-            if tmp:
-                os.unlink(tmp)
+            resp = self._client.request(method, path, params={k: v for k, v in (params or {}).items() if v is not None},
+                                        content=content, headers={"Content-Type": ctype},
+                                        timeout=httpx.Timeout(timeout_s or self.timeout_s, connect=10.0))
+        except httpx.TransportError as e:
+            raise ServiceUnavailableError(None, "unavailable", f"{method} {self.url}{path}: {type(e).__name__}: {e} "
+                                          f"(not retried: the request may have run)") from e
+        if resp.status_code >= 400:
+            raise _error(resp)
+        return _decode(resp)
 
     def download(self, path: str, out: str | None, params: dict | None = None) -> str:
         """GET `path` into the file `out` (default: the server's filename, here), streamed; its path."""

@@ -19,10 +19,11 @@ from pathlib import Path
 
 from torch import Tensor
 
-from vlamux.errors import InvalidInputError, UnknownTenantError
+from vlamux.errors import IncompatibleError, InvalidInputError, UnknownTenantError
 from vlamux.model import Backbone, ForwardBackward, HeadSpec, ModelRunner, Observation, OptimizerSpec
 from vlamux.model.normalize import NormStats
 from vlamux.model.policy_loss import PolicyLoss
+from vlamux.policy import is_policy_file, policy_snapshot
 from vlamux.services.accounting import Accounting
 from vlamux.services.engine import EngineLoop
 from vlamux.services.control import PolicyPublisher
@@ -176,11 +177,23 @@ class TrainingModelService(EngineLoop):
         if op.kind == "load_state":
             slot = self.runner.slot(op.tenant)
             published = slot.version  # every version this slot held was published
-            slot.load_state(op.payload)
+            if is_policy_file(op.payload):  # a policy (module and statistics), not a whole slot: a fresh optimizer
+                self._start_from_policy(slot, op.payload)
+            else:
+                slot.load_state(op.payload)
             slot.newer_than(published)
             self._publish(op.tenant)
             return {"policy_version": self.version(op.tenant)}
         raise InvalidInputError(f"unknown training operation {op.kind!r}")
+
+    def _start_from_policy(self, slot, path) -> None:
+        snap, _ = policy_snapshot(path, self.runner.backbones[slot.backbone_id], slot.tenant)
+        if snap.head_spec != slot.head_spec:
+            raise IncompatibleError(f"init_from: the policy file's head {snap.head_spec.to_json()} differs from the "
+                                    f"job's {slot.head_spec.to_json()}")
+        with self.runner.lane.active():
+            slot.apply_policy(snap)
+            slot.optimizer.state.clear()
 
     def _publish(self, tenant: str) -> None:
         if self.publisher is not None:

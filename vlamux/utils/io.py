@@ -23,6 +23,15 @@ def tensors_sha256(tensors: dict[str, Tensor]) -> str:
     return h.hexdigest()
 
 
+def file_sha256(path: str | Path) -> str:
+    """The sha256 of a file's bytes, read a MiB at a time."""
+    h = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def atomic_save_safetensors(tensors: dict[str, Tensor], path: str | Path, metadata: dict[str, str]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -10,12 +10,19 @@ from dataclasses import dataclass, field
 
 from vlamux.errors import InvalidInputError
 
+READER_OPTIONS = frozenset({"instruction", "filter_key", "rotate_images", "fps"})  # robomimic / LIBERO files
+
 
 @dataclass
 class SFTConfig:
     dataset: str = "data/demos/tabletop-goal"
     camera_map: dict = field(default_factory=lambda: {"observation.images.agentview": "agentview",
                                                       "observation.images.wrist": "wrist"})
+    # the dataset's keys: LeRobot's by default; a robomimic / LIBERO file names its own ("actions",
+    # "obs/ee_pos"); None: no state
+    state_key: str | None = "observation.state"
+    action_key: str = "action"
+    reader: dict = field(default_factory=dict)  # the reader's options (robomimic: instruction, filter_key, ...)
     steps: int = 500
     batch_size: int = 32
     grad_accum: int = 1  # forward_backwards per optimizer step
@@ -27,6 +34,9 @@ class SFTConfig:
 
 
     def __post_init__(self):
+        unknown = sorted(set(self.reader) - READER_OPTIONS)
+        if unknown:
+            raise InvalidInputError(f"reader.{unknown[0]}: unknown option; allowed: {', '.join(sorted(READER_OPTIONS))}")
         if self.schedule not in ("constant", "cosine"):
             raise InvalidInputError(f"schedule: expected 'constant' or 'cosine', got {self.schedule!r}")
         if self.schedule == "cosine" and self.lr is None:
@@ -55,7 +65,9 @@ class SFTRun:
     def open(self, stats_mode: str = "mean_std") -> dict:
         env = self.services.environment
         self.dataset_id = env.open_dataset(self.tenant, self.cfg.dataset, self.horizon, self.cfg.batch_size,
-                                           self.cfg.camera_map, seed=self.cfg.seed)
+                                           self.cfg.camera_map, state_key=self.cfg.state_key,
+                                           action_key=self.cfg.action_key, seed=self.cfg.seed,
+                                           options=self.cfg.reader or None)
         return env.dataset_stats(self.tenant, self.dataset_id, stats_mode)
 
     def lr_at(self, step: int) -> float | None:

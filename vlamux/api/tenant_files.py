@@ -1,0 +1,361 @@
+"""A tenant's stored files: private datasets and policy files, uploaded whole or in resumable chunks,
+read back before they are accepted, counted against the tenant's stored-bytes quota (max_dataset_mb).
+
+Under the service's data directory:
+
+    datasets/<name>/  or  datasets/<name>.hdf5            the service's public datasets
+    tenants/<tenant>/datasets/<name>/  or  <name>.hdf5    the tenant's own (LeRobot, robomimic/LIBERO)
+    tenants/<tenant>/policy-files/<name>.policy.safetensors   policies a tenant brought (a job's init_from)
+    tenants/<tenant>/uploads/<id>/{data, session.json}    uploads in progress: a client resumes at `offset`
+
+An upload is spooled to disk (never held whole in memory), its format told by its first bytes (tar,
+gzip, HDF5, safetensors), checked, and only then moved into place at once; a refusal leaves nothing.
+Another tenant's names do not exist for a tenant: every lookup starts in its own directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from vlamux.api.faults import Conflict, NotFound, QuotaExceeded, TooLarge
+from vlamux.api.uploads import ArchiveLimits, check_hdf5, dataset_root, scratch, unpack, validate, validate_hdf5
+from vlamux.errors import InvalidInputError
+
+NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
+HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+POLICY_SUFFIX = ".policy.safetensors"
+MAX_OPEN_UPLOADS = 4  # per tenant
+UPLOAD_IDLE_S = 24 * 3600.0  # an upload nobody appended to for this long is dropped
+
+
+def du(path: Path) -> int:
+    """Bytes of the files at or under path."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def sniff(path: Path) -> str:
+    """What a spooled upload is, from its first bytes: tar | gzip | hdf5 | safetensors | unknown."""
+    with path.open("rb") as f:
+        head = f.read(512)
+    if head.startswith(b"\x1f\x8b"):
+        return "gzip"
+    if head.startswith(HDF5_MAGIC):
+        return "hdf5"
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        return "tar"
+    if len(head) >= 9 and head[8:9] == b"{":  # safetensors: u64 header length, then its JSON header
+        return "safetensors"
+    return "unknown"
+
+
+class TenantFiles:
+    def __init__(self, data_dir: Path, quotas: Callable[[str], dict],
+                 backbone_hashes: Callable[[], dict[str, str]] | None = None):
+        """quotas: a tenant's quotas (its max_dataset_mb); backbone_hashes: {content sha256: backbone id}
+        of the backbones the service holds (a policy file must fit one)."""
+        self.data_dir, self._quotas = Path(data_dir), quotas
+        self._backbone_hashes = backbone_hashes or (lambda: {})
+        self._locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+
+    # ---- where things are -----------------------------------------------------------------------
+    def _tenant(self, tenant_id: str) -> Path:
+        return self.data_dir / "tenants" / tenant_id
+
+    def _datasets(self, tenant_id: str) -> Path:
+        return self._tenant(tenant_id) / "datasets"
+
+    def _policies(self, tenant_id: str) -> Path:
+        return self._tenant(tenant_id) / "policy-files"
+
+    def _uploads(self, tenant_id: str) -> Path:
+        return self._tenant(tenant_id) / "uploads"
+
+    @staticmethod
+    def _find(root: Path, name: str) -> Path | None:
+        if (root / name / "meta" / "info.json").is_file():
+            return root / name
+        if (root / f"{name}.hdf5").is_file():
+            return root / f"{name}.hdf5"
+        return None
+
+    def dataset_path(self, name, field_name: str, tenant_id: str | None = None) -> Path:
+        """A dataset a job of `tenant_id` may read: its own (uploaded) one of that name, else the
+        service's public one. Another tenant's datasets do not exist for it."""
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise InvalidInputError(f"{field_name}: the name of a dataset (GET /v1/datasets), got {str(name)[:80]!r}")
+        for root in ([self._datasets(tenant_id)] if tenant_id else []) + [self.data_dir / "datasets"]:
+            found = self._find(root, name)
+            if found is not None:
+                return found.resolve()
+        raise InvalidInputError(f"{field_name}: no dataset {name!r} (GET /v1/datasets)")
+
+    def datasets(self, tenant_id: str | None = None) -> list[dict]:
+        """The service's public datasets, and the tenant's own (private) ones with their sizes."""
+        out = [{**v, "public": True} for v in self._listed(self.data_dir / "datasets", sizes=False)]
+        if tenant_id:
+            out += [{**v, "public": False} for v in self._listed(self._datasets(tenant_id), sizes=True)]
+        return out
+
+    def _listed(self, root: Path, sizes: bool) -> list[dict]:
+        if not root.is_dir():
+            return []
+        out = []
+        for p in sorted(root.iterdir()):
+            if p.name.startswith("."):
+                continue
+            if (p / "meta" / "info.json").is_file():
+                out.append({"name": p.name, "format": "lerobot", **({"bytes": du(p)} if sizes else {})})
+            elif p.suffix == ".hdf5" and p.is_file():
+                out.append({"name": p.stem, "format": "hdf5", **({"bytes": du(p)} if sizes else {})})
+        return out
+
+    def policy_files(self, tenant_id: str) -> list[dict]:
+        root = self._policies(tenant_id)
+        if not root.is_dir():
+            return []
+        return [{"name": p.name[:-len(POLICY_SUFFIX)], "bytes": p.stat().st_size} for p in sorted(root.iterdir())
+                if p.name.endswith(POLICY_SUFFIX)]
+
+    def policy_file_path(self, tenant_id: str, name, field_name: str) -> Path:
+        if not isinstance(name, str) or not NAME.fullmatch(name) or \
+                not (self._policies(tenant_id) / f"{name}{POLICY_SUFFIX}").is_file():
+            raise InvalidInputError(f"{field_name}: no policy file {str(name)[:80]!r} of yours (POST /v1/policy-files; "
+                                    f"GET /v1/policy-files lists them)")
+        return (self._policies(tenant_id) / f"{name}{POLICY_SUFFIX}").resolve()
+
+    def delete_dataset(self, tenant_id: str, name: str) -> None:
+        found = self._find(self._datasets(tenant_id), name) if NAME.fullmatch(name) else None
+        if found is None:
+            raise NotFound(f"no dataset {name!r} of yours")
+        with self._tenant_lock(tenant_id):
+            shutil.rmtree(found) if found.is_dir() else found.unlink()
+
+    def delete_policy_file(self, tenant_id: str, name: str) -> None:
+        path = self._policies(tenant_id) / f"{name}{POLICY_SUFFIX}"
+        if not NAME.fullmatch(name) or not path.is_file():
+            raise NotFound(f"no policy file {name!r} of yours")
+        with self._tenant_lock(tenant_id):
+            path.unlink()
+
+    # ---- the quota --------------------------------------------------------------------------------
+    def limit(self, tenant_id: str) -> int:
+        return int(float(self._quotas(tenant_id)["max_dataset_mb"]) * (1 << 20))
+
+    def used(self, tenant_id: str, but: str | None = None) -> int:
+        """Stored bytes: datasets, policy files, and what open uploads (other than `but`) declared."""
+        total = sum(du(p) for root in (self._datasets(tenant_id), self._policies(tenant_id)) if root.is_dir()
+                    for p in root.iterdir() if not p.name.startswith("."))
+        return total + sum(s["bytes"] for s in self._sessions(tenant_id) if s["id"] != but)
+
+    def _over(self, tenant_id: str, adding: int, what: str, but: str | None = None) -> None:
+        used, limit = self.used(tenant_id, but), self.limit(tenant_id)
+        if used + adding > limit:
+            raise QuotaExceeded(f"quota: {what} of {adding} bytes beside the {used} you store would exceed "
+                                f"max_dataset_mb ({limit} bytes); delete a dataset or policy file first",
+                                retry_after_s=60.0)
+
+    def _tenant_lock(self, tenant_id: str) -> threading.Lock:
+        with self._lock:
+            return self._locks.setdefault(tenant_id, threading.Lock())
+
+    # ---- accepting a spooled upload -----------------------------------------------------------------
+    def accept(self, tenant_id: str, spooled: Path, kind: str, name: str, but: str | None = None) -> dict:
+        """Take the file `spooled` (on this disk) as the tenant's dataset or policy file `name`: its
+        format from its first bytes, read back, within the quota, then moved into place. `spooled` is
+        the caller's to delete. but: an upload session whose reservation this replaces."""
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            raise InvalidInputError(f"name: letters, digits, '-', '_' and '.', 1 to 64, got {str(name)[:80]!r}")
+        fmt = sniff(spooled)
+        with self._tenant_lock(tenant_id):  # one acceptance of a tenant at a time: its quota check holds
+            if kind == "dataset":
+                return self._accept_dataset(tenant_id, spooled, fmt, name, but)
+            if kind == "policy_file":
+                return self._accept_policy(tenant_id, spooled, fmt, name, but)
+        raise InvalidInputError(f"as: 'dataset' or 'policy_file', got {str(kind)[:40]!r}")
+
+    def _accept_dataset(self, tenant_id: str, spooled: Path, fmt: str, name: str, but: str | None) -> dict:
+        own = self._datasets(tenant_id)
+        own.mkdir(parents=True, exist_ok=True)
+        if self._find(own, name) is not None or self._find(self.data_dir / "datasets", name) is not None:
+            raise Conflict(f"name: a dataset {name!r} exists already (delete yours first, or pick another name)")
+        if fmt == "hdf5":
+            size = spooled.stat().st_size
+            self._over(tenant_id, size, "the dataset", but)
+            check_hdf5(spooled)
+            info = validate_hdf5(spooled, name)
+            os.replace(spooled, own / f"{name}.hdf5")
+            return {"name": name, "public": False, "format": "hdf5", "bytes": size, **info}
+        if fmt not in ("tar", "gzip"):
+            raise InvalidInputError("body: not a tar archive (plain or gzip) of a LeRobot dataset, nor an HDF5 file "
+                                    "(robomimic / LIBERO)")
+        remaining = max(0, self.limit(tenant_id) - self.used(tenant_id, but))
+        tmp = scratch(own)
+        try:
+            unpack(spooled, tmp, ArchiveLimits(max_bytes=remaining + 1))
+            root = dataset_root(tmp)
+            size = du(root)
+            self._over(tenant_id, size, "the dataset", but)
+            info = validate(root)
+            os.replace(root, own / name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return {"name": name, "public": False, "format": "lerobot", "bytes": size, **info}
+
+    def _accept_policy(self, tenant_id: str, spooled: Path, fmt: str, name: str, but: str | None) -> dict:
+        from vlamux.errors import CorruptCheckpointError, IncompatibleError
+        from vlamux.model.heads.base import HeadSpec
+        from vlamux.policy import read_policy
+
+        own = self._policies(tenant_id)
+        own.mkdir(parents=True, exist_ok=True)
+        if (own / f"{name}{POLICY_SUFFIX}").exists():
+            raise Conflict(f"name: a policy file {name!r} exists already (delete it first, or pick another name)")
+        if fmt != "safetensors":
+            raise InvalidInputError("body: not a policy file (a safetensors file from GET /v1/policies/{id}/download)")
+        size = spooled.stat().st_size
+        self._over(tenant_id, size, "the policy file", but)
+        try:
+            _, meta = read_policy(spooled)
+        except (CorruptCheckpointError, IncompatibleError) as e:
+            raise InvalidInputError(f"body: {str(e).replace(str(spooled), 'the policy file')}") from None
+        held = self._backbone_hashes()
+        if meta.get("backbone_sha256") not in held:
+            raise InvalidInputError(f"body: the policy was trained on backbone {meta.get('backbone_id')!r}, which "
+                                    f"this service does not hold (it holds {sorted(held.values())})")
+        os.replace(spooled, own / f"{name}{POLICY_SUFFIX}")
+        return {"name": name, "bytes": size, "policy_version": int(meta["policy_version"]),
+                "backbone": held[meta["backbone_sha256"]], "head": json.loads(HeadSpec.from_json(meta["head_spec"]).to_json())}
+
+    # ---- resumable uploads ----------------------------------------------------------------------------
+    def _sessions(self, tenant_id: str) -> list[dict]:
+        root = self._uploads(tenant_id)
+        if not root.is_dir():
+            return []
+        out = []
+        for d in root.iterdir():
+            try:
+                out.append(json.loads((d / "session.json").read_text()))
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def _session_dir(self, tenant_id: str, upload_id: str) -> Path:
+        d = self._uploads(tenant_id) / upload_id
+        if not UPLOAD_ID.fullmatch(upload_id or "") or not (d / "session.json").is_file():
+            raise NotFound(f"no upload {str(upload_id)[:40]!r} of yours")
+        return d
+
+    def _sweep(self, tenant_id: str) -> None:
+        now = time.time()
+        for s in self._sessions(tenant_id):
+            d = self._uploads(tenant_id) / s["id"]
+            touched = (d / "data").stat().st_mtime if (d / "data").exists() else s["created"]
+            if now - touched > UPLOAD_IDLE_S:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def start_upload(self, tenant_id: str, total: int, sha256: str | None = None) -> dict:
+        """A new resumable upload of `total` bytes (reserved against the quota at once)."""
+        if isinstance(total, bool) or not isinstance(total, int) or total < 1:
+            raise InvalidInputError(f"bytes: a positive integer, got {total!r}")
+        if sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", str(sha256)):
+            raise InvalidInputError("sha256: 64 lower-case hex digits")
+        with self._tenant_lock(tenant_id):
+            self._sweep(tenant_id)
+            if len(self._sessions(tenant_id)) >= MAX_OPEN_UPLOADS:
+                raise QuotaExceeded(f"quota: {MAX_OPEN_UPLOADS} uploads are open; finish or delete one first",
+                                    retry_after_s=10.0)
+            self._over(tenant_id, total, "an upload")
+            upload_id = uuid.uuid4().hex
+            d = self._uploads(tenant_id) / upload_id
+            d.mkdir(parents=True)
+            (d / "data").touch()
+            session = {"id": upload_id, "bytes": total, "sha256": sha256, "created": time.time()}
+            (d / "session.json").write_text(json.dumps(session))
+        return self._view(d, session)
+
+    def upload_status(self, tenant_id: str, upload_id: str) -> dict:
+        d = self._session_dir(tenant_id, upload_id)
+        return self._view(d, json.loads((d / "session.json").read_text()))
+
+    @staticmethod
+    def _view(d: Path, session: dict) -> dict:
+        return {"id": session["id"], "bytes": session["bytes"], "offset": (d / "data").stat().st_size,
+                "sha256": session["sha256"]}
+
+    def writer(self, tenant_id: str, upload_id: str, offset: int) -> ChunkWriter:
+        """Where a chunk starting at `offset` goes: it must start where the upload's bytes end."""
+        d = self._session_dir(tenant_id, upload_id)
+        session = json.loads((d / "session.json").read_text())
+        lock = self._tenant_lock(f"upload:{upload_id}")
+        if not lock.acquire(blocking=False):
+            raise Conflict(f"upload {upload_id}: another chunk is being written; send one at a time")
+        try:
+            have = (d / "data").stat().st_size
+            if offset != have:
+                raise Conflict(f"offset: the upload holds {have} bytes; send the chunk that starts there "
+                               f"(GET /v1/uploads/{upload_id})")
+            return ChunkWriter(d / "data", have, session["bytes"], lock)
+        except BaseException:
+            lock.release()
+            raise
+
+    def finish_upload(self, tenant_id: str, upload_id: str, kind: str, name: str) -> dict:
+        """The whole upload, checked against its declared size and digest, accepted as `kind` `name`;
+        once whole, the session is gone afterwards, accepted or refused."""
+        d = self._session_dir(tenant_id, upload_id)
+        session = json.loads((d / "session.json").read_text())
+        data = d / "data"
+        have = data.stat().st_size
+        if have != session["bytes"]:  # not yet whole: the session stays, to be completed
+            raise Conflict(f"offset: the upload holds {have} of its {session['bytes']} bytes; send the rest first")
+        try:
+            if session["sha256"]:
+                from vlamux.utils.io import file_sha256
+
+                got = file_sha256(data)
+                if got != session["sha256"]:
+                    raise InvalidInputError(f"sha256: the upload's bytes hash to {got}, not {session['sha256']}; "
+                                            f"start it again")
+            return self.accept(tenant_id, data, kind, name, but=upload_id)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def abort_upload(self, tenant_id: str, upload_id: str) -> None:
+        shutil.rmtree(self._session_dir(tenant_id, upload_id), ignore_errors=True)
+
+
+class ChunkWriter:
+    """Appends one chunk of a resumable upload; bytes past the declared size are refused (413) and the
+    file cut back to where the chunk began. A chunk cut short by a dropped connection keeps what
+    arrived: the client resumes from the new offset."""
+
+    def __init__(self, path: Path, offset: int, total: int, lock: threading.Lock):
+        self.path, self.start, self.total, self._lock = path, offset, total, lock
+        self.f = path.open("ab")
+        self.at = offset
+
+    def write(self, chunk: bytes) -> None:
+        if self.at + len(chunk) > self.total:
+            self.f.truncate(self.start)
+            raise TooLarge(f"body: the chunk runs past the upload's declared {self.total} bytes")
+        self.f.write(chunk)
+        self.at += len(chunk)
+
+    def close(self) -> int:
+        try:
+            self.f.close()
+        finally:
+            self._lock.release()
+        return self.at
