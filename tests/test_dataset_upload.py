@@ -110,6 +110,40 @@ def test_a_dataset_that_does_not_read_names_the_file(served, tmp_path):
     assert r.status_code == 422 and "parquet" in r.json()["error"]["message"], r.text
 
 
+def test_a_dataset_missing_a_stat_is_refused_naming_it(served, tmp_path):
+    import json
+    import shutil
+
+    url, keys, demos, svc = served
+    broken = tmp_path / "nostat"
+    shutil.copytree(demos, broken)
+    stats = json.loads((broken / "meta" / "stats.json").read_text())
+    del stats["action"]
+    (broken / "meta" / "stats.json").write_text(json.dumps(stats))
+    r = _post(url, keys["owner"], "nostat", _tar(broken))
+    assert r.status_code == 422 and "stats.json" in r.text and "'action'" in r.text, r.text
+    assert str(svc) not in r.text and not list((svc / "tenants").rglob("nostat"))
+
+
+def test_a_truncated_or_oversized_upload_is_refused_and_leaves_nothing(served):
+    url, keys, demos, svc = served
+    whole = _tar(demos, gz=True)
+    r = _post(url, keys["owner"], "cut", whole[: len(whole) // 2], "application/gzip")
+    assert r.status_code == 422 and ("damaged" in r.text or "not a tar" in r.text or "truncated" in r.text.lower()), r.text
+    limit = int(4096 * (1 << 20))  # max_upload_mb's default: a declared length over it is refused unread
+    import socket
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    with socket.create_connection((u.hostname, u.port), timeout=30) as sock:  # a declared length, no body
+        sock.sendall(f"POST /v1/datasets?name=big HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                     f"{keys['owner']['Authorization']}\r\nContent-Type: application/x-tar\r\n"
+                     f"Content-Length: {limit + 1}\r\n\r\n".encode())
+        answer = sock.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 413") and str(limit) in answer, answer
+    assert not list((svc / "tenants").rglob("cut")) and not list((svc / "tenants").rglob("incoming/*"))
+
+
 def test_uploads_count_against_the_tenants_dataset_quota(served):
     url, keys, demos, _ = served
     r = _post(url, keys["small"], "toolarge", _tar(demos))

@@ -8,13 +8,19 @@ and no `..`, at most `max_files` members and `max_bytes` unpacked, and a compres
 
 from __future__ import annotations
 
+import gzip
 import shutil
 import tarfile
 import uuid
+import zlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from vlamux.errors import InvalidInputError
+
+
+# what reading a cut or corrupted (gzip'ed) tar raises: tarfile's errors, gzip's EOF and zlib's
+DAMAGED = (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile)
 
 
 @dataclass(frozen=True)
@@ -47,8 +53,8 @@ def unpack(archive: Path, dest: Path, limits: ArchiveLimits) -> int:
                     raise InvalidInputError(f"body: more than {limits.max_files} archive members")
                 if total > limits.max_bytes:
                     raise InvalidInputError(f"body: unpacks to more than {limits.max_bytes} bytes")
-        except tarfile.TarError as e:
-            raise InvalidInputError(f"body: a damaged tar archive: {e}") from None
+        except DAMAGED as e:
+            raise InvalidInputError(f"body: a damaged or truncated archive ({type(e).__name__}: {e})") from None
         size = max(1, archive.stat().st_size)
         if total / size > limits.max_ratio:
             raise InvalidInputError(f"body: unpacks to {total / size:.0f}x its size, more than {limits.max_ratio:g}x")
@@ -66,6 +72,9 @@ def unpack(archive: Path, dest: Path, limits: ArchiveLimits) -> int:
         except FileExistsError:
             shutil.rmtree(dest, ignore_errors=True)
             raise InvalidInputError("body: the archive names one file twice") from None
+        except DAMAGED as e:  # members listed whole, then data cut short
+            shutil.rmtree(dest, ignore_errors=True)
+            raise InvalidInputError(f"body: a damaged or truncated archive ({type(e).__name__}: {e})") from None
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)
             raise
@@ -97,6 +106,9 @@ def validate(root: Path) -> dict:
             ep = ds.episode(i)
             for cam in ds.camera_keys:
                 ep.images(cam)
+        for key, f in ds.features.items():  # what training normalises: its statistics must be there
+            if f.get("dtype") in ("float32", "float64") and key != "timestamp":
+                ds.norm_stats(key)
         return {"episodes": n, "frames": ds.num_frames, "cameras": list(ds.camera_keys),
                 "codebase_version": ds.info.get("codebase_version")}
     except InvalidInputError:
