@@ -298,3 +298,66 @@ def test_t_and_b_flush_rules_on_a_replica(cluster):
         assert after_t["groups"] - after_b["groups"] == 1 and after_t["wait_p99_s"] >= 1.9  # alone: waited T
     finally:
         runtime.stop()
+
+
+def test_no_directory_is_shared_between_the_driver_and_the_actors(cluster, tmp_path, monkeypatch):
+    """Each actor gets a temporary directory of its own and the driver's paths are relative to a
+    working directory only the driver has: checkpoints, a policy file and a dataset still reach the
+    actors that need them (as bytes in the object store), the driver's checkpoint is written where the
+    driver said, a restarted training actor restores from it, and a dataset keeps sampling after the
+    driver's copy is gone."""
+    from vlamux.data.demos import generate
+    from vlamux.data.lerobot import DatasetError
+    from vlamux.model.slot import read_slot_file
+
+    driver = tmp_path / "driver"
+    generate(["goal/touch-red-cube"], 3, driver / "datasets" / "tiny", image_size=32, workers=1, progress=None)
+    monkeypatch.chdir(driver)  # every path below is relative: it means something on the driver only
+    tmp = {role: tmp_path / f"tmp-{role}" for role in ("training", "inference", "environment")}
+
+    def role(node, name):
+        tmp[name].mkdir()
+        return {"num_cpus": 0.5, "resources": {node: 0.01}, "runtime_env": {"env_vars": {"TMPDIR": str(tmp[name])}}}
+
+    cfg = RayRuntimeConfig(backbone=BackboneSpec(preset="tiny"), inference_replicas=1, torch_threads=1,
+                           training_actor=role("node_a", "training"), inference_actor=role("node_b", "inference"),
+                           environment_actor=role("node_a", "environment"), health_interval_s=0.5,
+                           environment={"allowed_dataset_roots": ["datasets"]})
+    rt = RayRuntime(cfg).start()
+    try:
+        head = HeadSpec("l1_chunk", 4, 4, 8, width=32, depth=1)
+        rt.create_slot("acme", head, OptimizerSpec(lr=1e-3), seed=5).result(120)
+        ds = ray.get(rt.env("open_dataset", "acme", "datasets/tiny", 4, 4,
+                            {"observation.images.agentview": "agentview", "observation.images.wrist": "wrist"}))
+        root = ray.get(rt.env("dataset_info", "acme", ds))["root"]
+        assert root.startswith(str(tmp["environment"])), root  # the environment actor reads its own copy
+        with pytest.raises(DatasetError, match="outside"):
+            ray.get(rt.env("open_dataset", "acme", str(tmp_path), 4, 4, {}))
+        for _ in range(2):
+            obs, act, mask = ray.get(rt.env("sample", "acme", ds))
+            rt.forward_backward("acme", obs, act, mask).result(120)
+            rt.optim_step("acme").result(120)
+        saved = rt.save_state("acme", "ckpt/acme.safetensors").result(120)
+        assert saved["path"] == str(driver / "ckpt" / "acme.safetensors")
+        tensors, meta = read_slot_file("ckpt/acme.safetensors")
+        assert meta["tenant"] == "acme" and int(tensors["version"][0]) == rt.version("acme") == 2
+        assert not list(tmp["training"].rglob("*.safetensors"))  # the actor kept no copy
+
+        import shutil
+
+        shutil.rmtree(driver / "datasets" / "tiny")  # the environment actor samples from its own copy
+        obs, act, mask = ray.get(rt.env("sample", "acme", ds))
+        rt.forward_backward("acme", obs, act, mask).result(120)
+        rt.optim_step("acme").result(120)
+        assert rt.version("acme") == 3
+
+        ray.kill(rt.training, no_restart=False)  # restored from the driver's checkpoint, sent as bytes
+        deadline = time.monotonic() + 90
+        while rt.health.roles["training"].restarts < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert rt.health.roles["training"].restarts >= 1
+        assert rt.version("acme") >= 2
+        rt.load_state("acme", "ckpt/acme.safetensors").result(120)
+        assert rt.forward_backward("acme", obs, act, mask).result(120)["loss"] > 0
+    finally:
+        rt.stop()

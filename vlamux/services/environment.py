@@ -96,6 +96,18 @@ def _tensor(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(a)
 
 
+def check_dataset_root(root: str | Path, allowed: Sequence[Path] | None) -> Path:
+    """`root` as a path this service may read a dataset from (under one of `allowed`, if given)."""
+    path = Path(root).expanduser()
+    if allowed is not None:
+        resolved = path.resolve()
+        if not any(resolved == a or a in resolved.parents for a in allowed):
+            raise DatasetError(f"dataset root {str(root)!r}: outside the directories this service may read")
+    if not path.exists():
+        raise DatasetError(f"dataset root {str(root)!r}: no such file or directory")
+    return path
+
+
 def obs_to_observation(obs: Mapping[str, Any]) -> Observation:
     """A batched env observation (``{"images": {cam: uint8 [B,3,H,W]}, "state": [B,S], "instruction": [B]}``)
     as the model core's `Observation`. The tensors share memory with the arrays (no copy) unless an array
@@ -427,13 +439,7 @@ class EnvironmentService:
         idle_timeout_s = _idle("idle_timeout_s", idle_timeout_s)
         if not isinstance(root, (str, Path)) or not str(root):
             raise InvalidInputError(f"root: expected a path, got {root!r}")
-        path = Path(root).expanduser()
-        if self.allowed_dataset_roots is not None:
-            resolved = path.resolve()
-            if not any(resolved == a or a in resolved.parents for a in self.allowed_dataset_roots):
-                raise DatasetError(f"dataset root {str(root)!r}: outside the directories this service may read")
-        if not path.exists():
-            raise DatasetError(f"dataset root {str(root)!r}: no such file or directory")
+        path = check_dataset_root(root, self.allowed_dataset_roots)
         if not isinstance(camera_map, Mapping):
             raise InvalidInputError(f"camera_map: expected a mapping of dataset camera key -> camera name, "
                                     f"got {type(camera_map).__name__}")

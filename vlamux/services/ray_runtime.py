@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import tempfile
 import threading
 import time
 import uuid
@@ -30,9 +31,11 @@ from vlamux.errors import UnknownBackboneError, UnknownTenantError
 from vlamux.model import BackboneSpec, HeadSpec, Observation, OptimizerSpec
 from vlamux.model.slot import PolicySnapshot
 from vlamux.services.control import PolicyPublisher
-from vlamux.services.environment import EnvironmentService, obs_to_observation
+from vlamux.services.environment import EnvironmentService, check_dataset_root, obs_to_observation
+from vlamux.services.shipping import Shipment
 from vlamux.services.health import HealthManager, Role
 from vlamux.services.inference import InferenceModelService
+from vlamux.services import shipping
 from vlamux.services.queues import InferenceQueueConfig
 from vlamux.services.runtime import RuntimeConfig, _Recipe, placed_backbones
 from vlamux.services.training import TrainingModelService
@@ -156,11 +159,22 @@ class TrainingActor(_Actor):
     def optim_step(self, tenant, priority=0):
         return self.svc.optim_step(tenant, priority).result(CALL_TIMEOUT_S)
 
-    def save_state(self, tenant, path):
-        return self.svc.save_state(tenant, path).result(CALL_TIMEOUT_S)
+    # Files come and go as bytes (vlamux.services.shipping): this actor's node shares no directory
+    # with the driver, so it writes and reads only copies in its own temporary directory.
+    def save_state(self, tenant) -> tuple[Shipment, dict]:
+        """The tenant's slot file, as bytes for the driver to write where it keeps checkpoints."""
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / "slot.safetensors"
+            out = self.svc.save_state(tenant, path).result(CALL_TIMEOUT_S)
+            return shipping.pack(path), {k: v for k, v in out.items() if k != "path"}
 
-    def load_state(self, tenant, path):
-        return self.svc.load_state(tenant, path).result(CALL_TIMEOUT_S)
+    def load_state(self, tenant, shipment: Shipment):
+        """Load a slot file or a policy file the driver sent."""
+        path = shipping.unpack(shipment, cache=False)
+        try:
+            return self.svc.load_state(tenant, path).result(CALL_TIMEOUT_S)
+        finally:
+            shipping.discard(path)
 
     def version(self, tenant):
         return self.svc.version(tenant)
@@ -168,11 +182,17 @@ class TrainingActor(_Actor):
     def set_lr(self, tenant, lr, fresh_moments=False):
         return self.svc.set_lr(tenant, lr, fresh_moments).result(CALL_TIMEOUT_S)
 
-    def import_adapter(self, tenant, path):
-        return self.svc.import_adapter(tenant, path).result(CALL_TIMEOUT_S)
+    def import_adapter(self, tenant, shipment: Shipment):
+        path = shipping.unpack(shipment, cache=False)
+        try:
+            return self.svc.import_adapter(tenant, path).result(CALL_TIMEOUT_S)
+        finally:
+            shipping.discard(path)
 
-    def export_adapter(self, tenant, path, base_model=None):
-        return self.svc.export_adapter(tenant, path, base_model).result(CALL_TIMEOUT_S)
+    def export_adapter(self, tenant, base_model=None) -> Shipment:
+        with tempfile.TemporaryDirectory() as d:
+            self.svc.export_adapter(tenant, Path(d) / "adapter", base_model).result(CALL_TIMEOUT_S)
+            return shipping.pack(Path(d) / "adapter")
 
     def tenants(self) -> list:
         return self.svc.tenants()
@@ -185,8 +205,12 @@ class TrainingActor(_Actor):
         """Rebuild a tenant's slot after a restart: from its checkpoint, else its newest published policy."""
         slot = self.svc.runner.slots.get(tenant) or self.svc.runner.create_slot(tenant, head_spec, optim, seed,
                                                                                backbone_id)
-        if checkpoint is not None:
-            slot.load_state(checkpoint)
+        if checkpoint is not None:  # a Shipment of the slot file the driver kept
+            path = shipping.unpack(checkpoint, cache=False)
+            try:
+                slot.load_state(path)
+            finally:
+                shipping.discard(path)
             if snapshot is not None and snapshot.version >= slot.version:
                 slot.newer_than(snapshot.version)
                 self.svc._publish(tenant)  # the replicas serve what training now holds
@@ -198,8 +222,14 @@ class TrainingActor(_Actor):
 class EnvironmentActor(_Actor):
     def __init__(self, torch_threads: int | None = None, **kwargs):
         self._init(torch_threads)
+        if kwargs.get("allowed_dataset_roots") is not None:  # the driver checked the paths it shipped
+            kwargs["allowed_dataset_roots"] = [*kwargs["allowed_dataset_roots"], shipping.node_dir()]
         self.svc = EnvironmentService(**kwargs)
         self.svc.start_reaper()
+
+    def open_shipped_dataset(self, tenant, shipment: Shipment, *args, **kwargs) -> str:
+        """`open_dataset` on this node's copy of a dataset the driver sent (unpacked once per node)."""
+        return self.svc.open_dataset(tenant, shipping.unpack(shipment), *args, **kwargs)
 
     @ray.method(num_returns=2)
     def reset(self, tenant, session_id, seed=None, indices=None):
@@ -251,6 +281,7 @@ class RayRuntime:
         self._incarnations: dict[str, str] = {}
         self._recipes: dict[str, _Recipe] = {}
         self._checkpoints: dict[str, str] = {}
+        self._datasets_shipped: dict[tuple, ray.ObjectRef] = {}
         self.latest: dict[str, PolicySnapshot] = {}
         self.health = HealthManager(self.config.health_interval_s, self.config.hung_after_s,
                                     env_check=self._check_env_workers, env_check_every_s=self.config.env_check_every_s)
@@ -392,13 +423,22 @@ class RayRuntime:
     def optim_step(self, tenant: str, priority: int = 0) -> Future:
         return self._remember_after(tenant, self.training.optim_step.remote(tenant, priority))
 
+    # No directory is shared with the actors: the driver writes and reads the files, the actors get
+    # and give bytes (vlamux.services.shipping).
     def save_state(self, tenant: str, path: str | Path) -> Future:
-        fut = self.training.save_state.remote(tenant, str(path)).future()
-        fut.add_done_callback(lambda f: f.exception() is None and self._checkpoints.__setitem__(tenant, str(path)))
-        return fut
+        path = Path(path).absolute()
+
+        def written(out):
+            shipment, info = out
+            shipping.write_back(shipment, path)
+            self._checkpoints[tenant] = str(path)
+            return {"path": str(path), **info}
+
+        return _then(self.training.save_state.remote(tenant).future(), written)
 
     def load_state(self, tenant: str, path: str | Path) -> Future:
-        fut = self._remember_after(tenant, self.training.load_state.remote(tenant, str(path)))
+        path = Path(path).absolute()
+        fut = self._remember_after(tenant, self.training.load_state.remote(tenant, shipping.pack(path)))
         fut.add_done_callback(lambda f: f.exception() is None and self._checkpoints.__setitem__(tenant, str(path)))
         return fut
 
@@ -406,10 +446,12 @@ class RayRuntime:
         return self.training.set_lr.remote(tenant, lr, fresh_moments).future()
 
     def import_adapter(self, tenant: str, path) -> Future:
-        return self._remember_after(tenant, self.training.import_adapter.remote(tenant, str(path)))
+        return self._remember_after(tenant, self.training.import_adapter.remote(tenant, shipping.pack(path)))
 
     def export_adapter(self, tenant: str, path, base_model: str | None = None) -> Future:
-        return self.training.export_adapter.remote(tenant, str(path), base_model).future()
+        path = Path(path).absolute()
+        return _then(self.training.export_adapter.remote(tenant, base_model).future(),
+                     lambda shipment: {"path": str(shipping.write_back(shipment, path))})
 
     def version(self, tenant: str) -> int:
         return ray.get(self.training.version.remote(tenant), timeout=CALL_TIMEOUT_S)
@@ -457,8 +499,9 @@ class RayRuntime:
             recipes, checkpoints = dict(self._recipes), dict(self._checkpoints)
         ray.get([self.training.subscribe.remote(name, handle) for name, handle in list(self.replicas.items())],
                 timeout=CALL_TIMEOUT_S)
-        refs = [self.training.restore.remote(t, r.head_spec, r.optim, r.seed, checkpoints.get(t), self.latest.get(t),
-                                             r.backbone_id) for t, r in recipes.items()]
+        refs = [self.training.restore.remote(t, r.head_spec, r.optim, r.seed,
+                                             shipping.pack(checkpoints[t]) if t in checkpoints else None,
+                                             self.latest.get(t), r.backbone_id) for t, r in recipes.items()]
         ray.get(refs, timeout=CALL_TIMEOUT_S)
         for t in recipes:
             snap = ray.get(self.training.export_policy.remote(t), timeout=CALL_TIMEOUT_S)
@@ -637,6 +680,9 @@ class RayRuntime:
         """Call an Environment Service method; the result stays in the object store (an ObjectRef).
         `open_*` goes to the least loaded serving replica; a call naming a session or dataset id to
         the replica holding it; other calls need a single replica (see `env_all`)."""
+        if method == "open_dataset":
+            tenant, root, *rest = args if len(args) >= 2 else (*args, kwargs.pop("root"))
+            return self._open_on().open_shipped_dataset.remote(tenant, self._shipped(root), *rest, **kwargs)
         if method.startswith("open_"):
             return self._open_on().call.remote(method, *args, **kwargs)
         if len(args) >= 2 and isinstance(args[1], str) and "." in args[1]:
@@ -649,10 +695,39 @@ class RayRuntime:
                              f"environment replicas run; use env_all")
         return self.environment.call.remote(method, *args, **kwargs)
 
+    def _shipped(self, root) -> ray.ObjectRef:
+        """A dataset on the driver's disk, in the object store (put once per content: reopening it, or
+        opening it on another replica, sends no bytes again)."""
+        allowed = self.config.environment.get("allowed_dataset_roots")
+        path = check_dataset_root(root, None if allowed is None else [Path(a).expanduser().resolve() for a in allowed])
+        key = (str(path.resolve()), shipping.identity(path))
+        with self._lock:
+            ref = self._datasets_shipped.get(key)
+        if ref is None:
+            ref = ray.put(shipping.pack(path))
+            with self._lock:
+                self._datasets_shipped[key] = ref
+        return ref
+
     def env_all(self, method: str, *args, **kwargs) -> dict[str, ray.ObjectRef]:
         """Call a method on every environment replica: {replica name: ObjectRef}."""
         with self._lock:
             return {n: h.call.remote(method, *args, **kwargs) for n, h in self.environments.items()}
+
+
+def _then(fut: Future, fn) -> Future:
+    """A future of `fn(fut's result)`, computed on the thread that completes `fut` (Ray's: `fn` must not
+    wait on Ray)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as e:  # noqa: BLE001 - the caller's future carries it
+            out.set_exception(e)
+
+    fut.add_done_callback(done)
+    return out
 
 
 def _sum_numbers(dicts: list[dict]) -> dict:
