@@ -5,8 +5,13 @@ creates the tenants; each tenant's client, on its own thread, creates a training
 over a request mix a tenant's tooling makes: an action chunk for its policy (msgpack observation),
 its job list, its usage. Every request's latency is recorded; any exception counts as an error.
 
-    python bench/api_load.py [--quick] [--clients 32] [--seconds 30]
+    python bench/api_load.py [--quick] [--clients 32] [--seconds 30] [--uploads 10 --upload-mb 50] [--watchers 32]
 Writes bench/results/api_load.json (quick: api_load_quick.json): clients, requests_per_s, p99_ms, errors.
+In the same window, `--uploads` tenants each upload a dataset of `--upload-mb` MB at once (an HDF5
+file of noise images, so nothing compresses; the SDK sends it in resumable chunks), and `--watchers`
+Server-Sent-Event streams follow running SFT jobs (8 per job's tenant, its long-poll limit), each
+checking that event ids arrive in order, none twice. The server's peak RSS (its process tree,
+sampled every 0.25 s) is reported beside.
 
     python bench/api_load.py --noisy-neighbour [--quick]
 The same ordinary clients, plus a light tenant (one request every 100 ms) and, in alternate windows
@@ -225,6 +230,80 @@ def noisy_neighbour(args, device, dtype) -> int:
     return 0 if all(payload["targets_met"].values()) else 1
 
 
+def big_dataset(path: Path, mb: float) -> Path:
+    """A robomimic-layout HDF5 file of about `mb` MB: noise images (incompressible), 4-d actions."""
+    import h5py
+
+    rng = np.random.default_rng(0)
+    frames = max(2, int(mb * (1 << 20) / (64 * 64 * 3 * 2 + 48)))  # two 64 px cameras a frame
+    demos = 8
+    with h5py.File(path, "w") as f:
+        data = f.create_group("data")
+        for i in range(demos):
+            n = frames // demos
+            g = data.create_group(f"demo_{i}")
+            g.create_dataset("actions", data=rng.uniform(-1, 1, (n, 4)).astype(np.float32))
+            g.create_dataset("obs/state", data=rng.normal(size=(n, 8)).astype(np.float32))
+            for cam in ("agentview_rgb", "eye_in_hand_rgb"):
+                g.create_dataset(f"obs/{cam}", data=rng.integers(0, 255, (n, 64, 64, 3), dtype=np.uint8))
+    return path
+
+
+def uploader(url: str, key: str, path: Path, name: str, out: dict) -> None:
+    from vlamux.sdk import Client
+
+    t0 = time.perf_counter()
+    try:
+        Client(url, key, timeout_s=300).upload_dataset(str(path), name=name, timeout_s=600)
+        out[name] = {"seconds": time.perf_counter() - t0, "end": time.perf_counter(), "error": None}
+    except Exception as e:  # noqa: BLE001 - every failure is an error of the run
+        out[name] = {"seconds": time.perf_counter() - t0, "end": time.perf_counter(),
+                     "error": f"{type(e).__name__}: {e}"}
+
+
+def watcher(url: str, key: str, job_id: str, seconds: float, out: list) -> None:
+    """Follow a job's events for `seconds`: how many, and whether any came out of order or twice."""
+    from vlamux.sdk import Client
+
+    c = Client(url, key, timeout_s=60)
+    got, bad, error = 0, 0, None
+    last = 0
+    try:
+        for ev in c.job(job_id).events(timeout_s=seconds):
+            if ev.id is None:
+                continue
+            if ev.id != last + 1:
+                bad += 1
+            last, got = ev.id, got + 1
+    except Exception as e:  # noqa: BLE001
+        error = f"{type(e).__name__}: {e}"
+    out.append({"events": got, "out_of_order": bad, "error": error})
+
+
+class PeakRSS(threading.Thread):
+    """The largest resident memory of a process and its children, sampled every 0.25 s."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.peak, self.stop_event = pid, 0, threading.Event()
+        self.samples: list[tuple[float, int]] = []  # (perf_counter, bytes)
+
+    def peak_between(self, t0: float, t1: float) -> int:
+        return max((r for t, r in self.samples if t0 <= t <= t1), default=0)
+
+    def run(self) -> None:
+        import psutil
+
+        proc = psutil.Process(self.pid)
+        while not self.stop_event.wait(0.25):
+            try:
+                rss = proc.memory_info().rss + sum(c.memory_info().rss for c in proc.children(recursive=True))
+            except psutil.Error:
+                continue
+            self.peak = max(self.peak, rss)
+            self.samples.append((time.perf_counter(), rss))
+
+
 def main(argv=None) -> int:
     from vlamux.model.device import add_device_arguments, parse_device_arguments
 
@@ -234,6 +313,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--backbone", default="tiny", metavar="PRESET_OR_DIR", help="the server's backbone")
+    ap.add_argument("--uploads", type=int, default=None, help="tenants uploading a dataset at once (10; quick 2)")
+    ap.add_argument("--upload-mb", type=float, default=None, help="each upload's size (50; quick 20)")
+    ap.add_argument("--watchers", type=int, default=None, help="event streams following jobs (32; quick 8)")
     ap.add_argument("--noisy-neighbour", action="store_true",
                     help="ordinary clients with and without one flooding tenant (bench/results/api_noisy.json)")
     add_device_arguments(ap)
@@ -243,17 +325,31 @@ def main(argv=None) -> int:
         return noisy_neighbour(args, device, dtype)
     clients = args.clients or (8 if args.quick else 32)
     seconds = args.seconds or (8.0 if args.quick else 30.0)
+    n_uploads = args.uploads if args.uploads is not None else (2 if args.quick else 10)
+    upload_mb = args.upload_mb or (20.0 if args.quick else 50.0)
+    n_watchers = args.watchers if args.watchers is not None else (8 if args.quick else 32)
 
     from vlamux.api.server import spawn, stop
+    from vlamux.data.demos import generate
     from vlamux.model.device import dtype_name
     from vlamux.sdk import Client
 
     data_dir = Path(tempfile.mkdtemp(prefix="vlamux-api-load-"))
+    if n_watchers:  # the watched jobs train on the service's own demonstrations
+        generate(["goal/touch-red-cube"], 4, data_dir / "datasets" / "demos", image_size=32, workers=1, progress=None)
+    big = big_dataset(data_dir.parent / f"{data_dir.name}-upload.hdf5", upload_mb) if n_uploads else None
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    print(f"api load: {clients} tenants' clients for {seconds:.0f}s against {url}", flush=True)
+    print(f"api load: {clients} tenants' clients for {seconds:.0f}s against {url}, with {n_uploads} uploads of "
+          f"{upload_mb:.0f} MB and {n_watchers} event streams", flush=True)
     proc = spawn(data_dir, port, extra_args=("--log-level", "warning", "--device", str(device),
                                              "--dtype", dtype_name(dtype), "--backbone", args.backbone))
+    rss = PeakRSS(proc.pid)
+    rss.start()
+    uploads: dict = {}
+    alone: dict = {}
+    alone_rss = (0, 0)
+    streams: list = []
     try:
         admin_key = (data_dir / "admin.key").read_text().strip()
         admin = Client(url, admin_key)
@@ -262,19 +358,52 @@ def main(argv=None) -> int:
         for i in range(clients):
             _, key = admin.admin.create_tenant(f"load-{i}", quotas={"requests_per_s": 1000.0, "max_env_sessions": 1})
             keys.append(key)
+        up_keys = [admin.admin.create_tenant(f"upload-{i}", quotas={"requests_per_s": 1000.0})[1]
+                   for i in range(n_uploads)]
+        watched = []
+        for i in range(-(-n_watchers // 8)):
+            key = admin.admin.create_tenant(f"watched-{i}", quotas={"requests_per_s": 1000.0})[1]
+            job = Client(url, key).submit({"name": f"watched-{i}", "kind": "sft", "eval": None, "head": HEAD,
+                                           "sft": {"dataset": "demos", "steps": 10**6, "batch_size": 8}})
+            watched.append((key, job))
+        if n_uploads:  # first the uploads alone: what they cost the server in memory, unmixed
+            time.sleep(1.0)
+            a0 = time.perf_counter()
+            ups = [threading.Thread(target=uploader, args=(url, k, big, f"alone-{i}", alone))
+                   for i, k in enumerate(up_keys)]
+            for th in ups:
+                th.start()
+            for th in ups:
+                th.join(600)
+            time.sleep(0.5)
+            alone_rss = (rss.peak_between(a0 - 1.0, a0), rss.peak_between(a0, time.perf_counter()))
         results: dict = {}
         threads = [threading.Thread(target=client_loop, args=(url, k, seconds, i, results)) for i, k in enumerate(keys)]
+        threads += [threading.Thread(target=uploader, args=(url, k, big, f"big-{i}", uploads))
+                    for i, k in enumerate(up_keys)]
+        threads += [threading.Thread(target=watcher, args=(url, watched[i // 8][0], watched[i // 8][1].id, seconds,
+                                                            streams)) for i in range(n_watchers)]
         t0 = time.perf_counter()
         for th in threads:
             th.start()
         for th in threads:
-            th.join(seconds + 120)
+            th.join(seconds + 600)
         wall = time.perf_counter() - t0
+        for key, job in watched:
+            Client(url, key).job(job.id).cancel()
     finally:
+        rss.stop_event.set()
         stop(proc)
+        if big is not None:
+            big.unlink(missing_ok=True)
     per_kind: dict[str, list[float]] = {}
     errors = [e for _, errs in results.values() for e in errs]
     errors += [f"client {i}: no result (hung)" for i in range(clients) if i not in results]
+    errors += [f"upload {n}: {u['error']}" for n, u in {**alone, **uploads}.items() if u["error"]]
+    errors += [f"upload {i}: no result (hung)" for i in range(n_uploads - len(uploads))]
+    errors += [f"stream: {s['error']}" for s in streams if s["error"]]
+    errors += [f"stream: {s['out_of_order']} events out of order or repeated" for s in streams if s["out_of_order"]]
+    errors += [f"stream {i}: no result (hung)" for i in range(n_watchers - len(streams))]
     for lat, _ in results.values():
         for k, v in lat.items():
             per_kind.setdefault(k, []).extend(v)
@@ -288,11 +417,33 @@ def main(argv=None) -> int:
         "per_kind": {k: {"requests": len(v), "p50_ms": 1e3 * float(np.percentile(v, 50)),
                          "p99_ms": 1e3 * float(np.percentile(v, 99))} for k, v in per_kind.items() if v},
         "environment": environment(device, dtype), "cpus": os.cpu_count(), "placement": placement,
+        "uploads": {"tenants": n_uploads, "mb_each": upload_mb,
+                    "seconds": sorted(round(u["seconds"], 2) for u in uploads.values()),
+                    "mb_per_s_total": (n_uploads * upload_mb / max(u["seconds"] for u in uploads.values()))
+                    if uploads else None},
+        "streams": {"watchers": n_watchers, "events": sum(s["events"] for s in streams),
+                    "events_min": min((s["events"] for s in streams), default=0),
+                    "out_of_order": sum(s["out_of_order"] for s in streams)},
+        "server_peak_rss_mb": rss.peak / (1 << 20),
+        # what the uploads cost in memory, measured with them alone first (same uploads, nothing else)
+        "uploads_alone": {"seconds": sorted(round(u["seconds"], 2) for u in alone.values()),
+                          "errors": sum(1 for u in alone.values() if u["error"]),
+                          "server_rss_before_mb": alone_rss[0] / (1 << 20) if n_uploads else None,
+                          "server_peak_rss_mb": alone_rss[1] / (1 << 20) if n_uploads else None},
     }
     print(f"{n} requests in {wall:.1f}s: {payload['requests_per_s']:.1f} req/s, p50 {payload['p50_ms']:.1f} ms, "
           f"p99 {payload['p99_ms']:.1f} ms, errors {len(errors)}")
     for k, v in payload["per_kind"].items():
         print(f"  {k:8s} {v['requests']:6d} requests, p50 {v['p50_ms']:.1f} ms, p99 {v['p99_ms']:.1f} ms")
+    u, st = payload["uploads"], payload["streams"]
+    if n_uploads:
+        print(f"  uploads  {n_uploads} x {upload_mb:.0f} MB in {u['seconds']} s ({u['mb_per_s_total']:.1f} MB/s together)")
+    print(f"  streams  {n_watchers} watchers, {st['events']} events (at least {st['events_min']} each), "
+          f"{st['out_of_order']} out of order; server peak RSS {payload['server_peak_rss_mb']:.0f} MB")
+    if n_uploads:
+        a = payload["uploads_alone"]
+        print(f"  uploads alone first: {n_uploads} x {upload_mb:.0f} MB in {a['seconds']} s, server RSS "
+              f"{a['server_rss_before_mb']:.0f} -> {a['server_peak_rss_mb']:.0f} MB")
     for e in errors[:5]:
         print(f"  error: {e}")
     path = write_json("api_load_quick.json" if args.quick else "api_load.json", payload, args.out)

@@ -72,6 +72,19 @@ def test_another_tenants_job_has_no_stream_and_a_bad_last_event_id_is_refused(se
     job.wait(timeout_s=120, progress=False)
 
 
+def test_events_timeout_bounds_a_busy_stream(server):
+    """A job that keeps sending progress still lets `events(timeout_s=...)` return on time."""
+    _, c, _ = server
+    job = c.submit(_rl("busy", env_steps=100_000))
+    try:
+        t0 = time.monotonic()
+        seen = [e for e in job.events(timeout_s=4)]
+        assert time.monotonic() - t0 < 15 and seen and seen[-1].kind != "end"
+    finally:
+        job.cancel()
+        job.wait(timeout_s=120, progress=False)
+
+
 def test_a_stream_without_news_ends_after_its_idle_bound(server, monkeypatch):
     """An evaluation writes no metrics rows: with the idle bound at 1 s, the stream says `idle` and
     closes; the SDK reconnects from the last id and still sees the job to its end."""

@@ -40,12 +40,14 @@ def h(key: str, **more) -> dict:
     return {"Authorization": f"Bearer {key}", **more}
 
 
-def libero_file(path, demos=3, frames=12, external: str | None = None, drop: str | None = None):
-    """A LIBERO-layout HDF5 file: agentview + wrist cameras (uint8), 4-d actions, an 8-d state."""
+def libero_file(path, demos=3, frames=12, external: str | None = None, drop: str | None = None, libero=True):
+    """A LIBERO-layout HDF5 file: agentview + wrist cameras (uint8), 4-d actions, an 8-d state
+    (libero=False: robomimic's, which names no instruction)."""
     rng = np.random.default_rng(0)
     with h5py.File(path, "w") as f:
         data = f.create_group("data")
-        data.attrs["problem_info"] = json.dumps({"language_instruction": "touch the red cube"})
+        if libero:
+            data.attrs["problem_info"] = json.dumps({"language_instruction": "touch the red cube"})
         data.attrs["env_args"] = json.dumps({"env_name": "tabletop", "env_kwargs": {"control_freq": 20}})
         for i in range(demos):
             g = data.create_group(f"demo_{i}")
@@ -94,6 +96,20 @@ def test_an_hdf5_dataset_uploads_lists_trains_a_job_and_stays_private(served, tm
     assert r.status_code == 422 and "reader.cache_mb" in r.text, r.text
     c.delete_dataset("libero_touch")
     assert "libero_touch" not in [x["name"] for x in c.datasets()]
+
+
+def test_a_robomimic_file_without_an_instruction_is_accepted_and_its_job_names_one(served, tmp_path):
+    url, keys, _, _ = served
+    c = Client(url, keys["owner"])
+    d = c.upload_dataset(str(libero_file(tmp_path / "robomimic_lift.hdf5", libero=False)))
+    assert d["format"] == "hdf5" and d["instruction"] is None and "actions" in d["keys"]
+    spec = {"name": "sft-rm", "kind": "sft", "head": HEAD, "eval": None,
+            "sft": {"dataset": "robomimic_lift", "steps": 2, "batch_size": 4, "action_key": "actions",
+                    "state_key": "obs/state", "reader": {"instruction": "lift the cube"},
+                    "camera_map": {"obs/agentview_rgb": "agentview", "obs/eye_in_hand_rgb": "wrist"}}}
+    job = c.submit(spec)
+    assert job.wait(timeout_s=180, progress=False).state == "succeeded", job.error
+    c.delete_dataset("robomimic_lift")
 
 
 @pytest.mark.parametrize("what, make, text", [

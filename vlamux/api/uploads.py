@@ -149,19 +149,24 @@ def check_hdf5(path: Path) -> None:
 
 def validate_hdf5(path: Path, name: str) -> dict:
     """Read a robomimic / LIBERO file back as training will (its demos, a frame of the first and last
-    demo's cameras and arrays): what it holds, or an error naming the key."""
+    demo's cameras and arrays): what it holds, or an error naming the key. A robomimic file has no
+    instruction of its own (its jobs give one: sft.reader.instruction); a LIBERO file's is checked."""
+    import h5py
+
     from vlamux.data import RobomimicDataset
     from vlamux.data.lerobot import DatasetError
 
     try:
-        with RobomimicDataset(path) as ds:
+        with h5py.File(path, "r") as f:
+            own = "data" in f and "problem_info" in f["data"].attrs
+        with RobomimicDataset(path, instruction=None if own else "-") as ds:
             n = ds.num_episodes
             cameras = [k for k, v in ds.features.items() if v["dtype"] == "image"]
             for i in sorted({0, n - 1}):
                 for key, v in ds.features.items():
                     ds.episode_images(i, key) if v["dtype"] == "image" else ds.episode_array(i, key)
-            return {"episodes": n, "frames": ds.num_frames, "cameras": cameras,
-                    "keys": sorted(k for k, v in ds.features.items() if v["dtype"] != "image")}
+            return {"episodes": n, "frames": ds.num_frames, "cameras": cameras, "instruction": ds.instruction if own
+                    else None, "keys": sorted(k for k, v in ds.features.items() if v["dtype"] != "image")}
     except (DatasetError, OSError, ValueError, KeyError) as e:
         msg = str(e).replace(str(path), name)
         raise InvalidInputError(f"body: the HDF5 dataset does not read: {msg}") from None

@@ -67,6 +67,8 @@ def follow(client: httpx.Client, job_id: str, since: int = 0, deadline: float | 
                     yield event
                     if event.kind == "end":
                         return
+                    if deadline is not None and time.monotonic() >= deadline:  # a busy stream ends on time too
+                        return
         except (httpx.TransportError, json.JSONDecodeError) as e:
             if deadline is not None and time.monotonic() >= deadline:
                 return
