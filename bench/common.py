@@ -149,3 +149,46 @@ class PoolSampler:
         if self._thread.is_alive():
             self._thread.join(5)
         self.last = self._read()
+
+
+def plain_model(backbone, heads: list, b: int, mode: str, profile) -> dict[str, Callable[[], None]]:
+    """The limit of grouping, measured apart from vlamux's group path: the plain model (the backbone,
+    then each head on its own rows) on one dense batch of len(heads) * b rows of a single shape
+    (`profile`'s, no padding), against one (backbone, head) call of b rows per head. mode "inference"
+    samples, "train" takes each head's loss and its backward. Contenders for `interleaved_medians`:
+    limit = dense_split / dense_one."""
+    from vlamux.synthetic import make_batch
+
+    n = len(heads)
+    g = torch.Generator().manual_seed(7)
+    obs, actions = make_batch(profile, n * b, g)
+    dense = backbone.prepare(obs)
+    parts = [backbone.prepare(make_batch(profile, b, g)[0]) for _ in range(n)]  # the same shape, b rows each
+    dev = backbone.device
+    state = torch.randn(n * b, profile.state_dim, generator=g).to(dev)
+    acts = actions.to(dev)
+    mask = torch.ones(n * b, acts.shape[1], dtype=torch.bool, device=dev)
+
+    def head_work(head, feature, rows):
+        feature = feature.to(next(head.parameters()).dtype)  # a bf16 backbone's features, for fp32 heads
+        if mode == "inference":
+            with torch.no_grad():
+                head.sample(feature, state[rows])
+        else:
+            loss, _ = head.loss(feature, state[rows], acts[rows], mask[rows])
+            loss.backward()
+
+    def one():
+        with torch.no_grad():
+            f = backbone(dense)
+        for i, head in enumerate(heads):
+            rows = slice(i * b, (i + 1) * b)
+            head_work(head, f.select(rows), rows)
+
+    def split():
+        for i, head in enumerate(heads):
+            with torch.no_grad():
+                f = backbone(parts[i])
+            head_work(head, f, slice(i * b, (i + 1) * b))
+
+    return {"dense_one": one, "dense_split": split}

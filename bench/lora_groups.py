@@ -40,6 +40,9 @@ PROFILE = TaskProfile({"agentview": (128, 128), "wrist": (128, 128)}, 7, 8, 8, "
 
 def build(backbone, n: int, b: int, lora: bool):
     runner = ModelRunner(backbone)
+    curve = getattr(backbone, "group_curve", None)  # the cap learned once for this backbone (main)
+    if curve is not None:
+        runner.group_curves[backbone.backbone_id] = curve
     adapter = {"rank": 8} if lora else None
     for i in range(n):
         runner.create_slot(f"tenant{i}", HeadSpec("gaussian", 7, 8, 8, width=64, depth=1, adapter=adapter),
@@ -92,7 +95,8 @@ def measure_cell(backbone, n: int, b: int, mode: str, repeats: int, min_seconds:
     return {"n_tenants": n, "local_batch": b, "mode": mode, "serial_s": t["serial"], "grouped_s": t["grouped"],
             "speedup": speedup, "limit_speedup": limit, "of_limit": speedup / limit,
             "plain_grouped_s": t["plain"], "lora_overhead": t["grouped"] / t["plain"] - 1,
-            "limit_separate_s": t["limit_separate"], "limit_dense_s": t["limit_dense"]}
+            "limit_separate_s": t["limit_separate"], "limit_dense_s": t["limit_dense"],
+            "group_cap_rows": (lora.group_curves.get(backbone.backbone_id) or type("N", (), {"cap": None})).cap}
 
 
 def _with_grad(batch):
@@ -110,6 +114,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="cells 1x1, 8x1, 4x4 on the tiny preset: under a minute")
     ap.add_argument("--backbone", default=None, metavar="PRESET_OR_DIR", help="default small (--quick: tiny)")
+    ap.add_argument("--no-cap", action="store_true", help="groups uncapped (no calibration)")
     add_cell_arguments(ap, "lora_groups", "1; --quick 0.3")
     add_device_arguments(ap)
     args = ap.parse_args(argv)
@@ -118,6 +123,9 @@ def main(argv=None) -> int:
     backbone = build_backbone(spec_from_arg(args.backbone or ("tiny" if args.quick else "small")), device=device,
                               dtype=dtype)
     env = environment(backbone.device, backbone.dtype)
+    if not args.no_cap:
+        c = ModelRunner(backbone).calibrate()[backbone.backbone_id]  # kept on the backbone: every cell's runner
+        print(f"learned group cap: {c.cap} rows ({c.reason})", flush=True)
     print(f"lora groups: {backbone.backbone_id} ({backbone.num_parameters() / 1e6:.1f}M params), device={device}, "
           f"dtype={env['dtype']}, threads={env['threads']}, repeats={repeats}", flush=True)
     cells = []

@@ -228,7 +228,7 @@ def test_env_session_and_predict(client):
 
 
 def test_submit_sft_job_and_wait(client, capsys):
-    assert {"name": "tiny", "public": True} in client.datasets()
+    assert {"name": "tiny", "format": "lerobot", "public": True} in client.datasets()
     spec = {"name": "t", "kind": "sft", "head": HEAD, "sft": {"dataset": "tiny", "steps": 6, "batch_size": 8},
             "checkpoint_every": 3}
     job = client.submit(spec)

@@ -355,7 +355,10 @@ def backbones(ctx) -> None:
         r["family"] = r.get("family") or r["kind"]
         r["resident_mb"] = r["resident_bytes"] / 2 ** 20
         r["params_m"] = r["parameters"] / 1e6
-    _table(rows, ["name", "family", "id", "params_m", "dtype", "resident_mb", "tokens_per_camera", "default"])
+        caps = {c.get("rows") for c in (r.get("group_caps") or {}).values()}
+        r["group_cap"] = "/".join(str(c) for c in sorted(caps, key=str)) if caps else "-"  # rows, learned
+    _table(rows, ["name", "family", "id", "params_m", "dtype", "resident_mb", "tokens_per_camera", "group_cap",
+                  "default"])
 
 
 @main.group(cls=_Group)

@@ -208,6 +208,12 @@ def create_app(host: ServiceHost) -> FastAPI:
     def backbones(p: Principal = Depends(principal)):
         return {"backbones": host.backbones()}
 
+    @app.post("/v1/backbones/calibrate")
+    def calibrate(p: Principal = Depends(admin)):
+        """Every model service measures its backbones' forward time by rows again, between its groups,
+        and caps its groups where a bigger one stops paying (admin: it costs the services a few seconds)."""
+        return {"group_caps": host.runtime.calibrate(), "backbones": host.backbones()}
+
     add_file_routes(app, host, tenant)
 
     @app.post("/v1/jobs", status_code=202)

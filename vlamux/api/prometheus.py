@@ -29,6 +29,10 @@ class _Collector:
                                    "allocated; zero on a CPU", labels=["device", "pool", "kind"])
         info = GaugeMetricFamily("vlamux_service_placement", "Where each model service runs (value 1)",
                                  labels=["service", "device", "dtype", "fuse_heads"])
+        cap = GaugeMetricFamily("vlamux_group_cap_rows", "The group size each model service learned from its "
+                                "hardware: its groups hold at most this many rows", labels=["service", "backbone"])
+        curve = GaugeMetricFamily("vlamux_backbone_forward_seconds", "The backbone's measured forward time by rows "
+                                  "(the curve the cap comes from)", labels=["service", "backbone", "rows"])
         pools_seen: dict = {}
         queues = [("training", "training", m["training"])] + [("inference", n, v) for n, v in m["inference"].items()]
         for queue, name, svc in queues:
@@ -39,6 +43,11 @@ class _Collector:
             rows.add_metric([queue, name], q["group_rows_mean"])
             reqs.add_metric([queue, name], q["group_requests_mean"])
             groups.add_metric([queue, name], q["groups"])
+            for bid, c in (svc.get("group_caps") or {}).items():
+                if c.get("rows") is not None:
+                    cap.add_metric([name, bid], c["rows"])
+                for r, sec in c.get("curve", []):
+                    curve.add_metric([name, bid, str(r)], sec)
             util.add_metric([name], svc["utilization"])
             busy.add_metric([name], svc.get("busy_s", 0.0))
             if "device" in svc:
@@ -55,7 +64,7 @@ class _Collector:
         env = m["environment"]
         util.add_metric(["environment"], env["utilization"])
         busy.add_metric(["environment"], env["busy_s"])
-        yield from (depth, wait, rows, reqs, util, busy, groups, memory, info)
+        yield from (depth, wait, rows, reqs, util, busy, groups, memory, info, cap, curve)
         sessions = GaugeMetricFamily("vlamux_env_sessions", "Open simulator sessions")
         sessions.add_metric([], env["open_sessions"])
         yield sessions

@@ -62,18 +62,19 @@ class Result:
         return self.output
 
 
-def plan_groups(keys: list[str], rows: list[int], max_rows: int | None = None,
+def plan_groups(keys: list[str], rows: list[int], max_rows: int | dict | None = None,
                 tenants: list[str] | None = None) -> list[list[int]]:
-    """Partition request indices into groups of equal key and at most `max_rows` rows, keeping order."""
+    """Partition request indices into groups of equal key and at most `max_rows` rows (one number, or
+    one per key: a backbone's learned cap), keeping order."""
     groups: list[list[int]] = []
     open_group: dict[str, int] = {}  # key -> index in groups of the group still taking requests
     sizes: list[int] = []
     for i, (key, n) in enumerate(zip(keys, rows)):
         who = f"request {i}" + (f" (tenant {tenants[i]!r})" if tenants else "")
         g = open_group.get(key)
-        if g is not None and max_rows is not None and sizes[g] + n > max_rows:
-            log.debug("%s starts a new group: group %d is full (%d + %d rows > max %d)", who, g, sizes[g], n,
-                      max_rows)
+        cap = max_rows.get(key) if isinstance(max_rows, dict) else max_rows
+        if g is not None and cap is not None and sizes[g] + n > cap:
+            log.debug("%s starts a new group: group %d is full (%d + %d rows > max %d)", who, g, sizes[g], n, cap)
             g = None
         if g is None:
             if open_group and key not in open_group:

@@ -24,6 +24,7 @@ import torch
 
 from vlamux.errors import InvalidInputError, UnknownTenantError
 from vlamux.model import adapters
+from vlamux.model.calibrate import GroupCurve
 from vlamux.model.backbones import Backbone
 from vlamux.model.batch import CanonicalBatch
 from vlamux.model.device import Lane
@@ -76,6 +77,7 @@ class ModelRunner:
         self.backbones = {b.backbone_id: b for b in backbones}
         self.default_backbone = backbones[0].backbone_id
         self.max_group_rows = max_group_rows
+        self.group_curves: dict[str, GroupCurve] = {}  # learned caps, per backbone (`calibrate`)
         self.slots: dict[str, Slot] = {}
         self.lane = Lane(backbones[0].device, backbones[0].dtype)
         self.pools = MemoryPools(backbones[0].device)  # this runner's (its service's) rollout pool
@@ -149,6 +151,36 @@ class ModelRunner:
         except KeyError:
             raise ValueError(f"unknown backbone {backbone_id!r}; this runner has {sorted(self.backbones)}") from None
 
+    # ---- the group size the hardware pays for -------------------------------------------------------
+    def calibrate(self, budget_s: float | None = None, force: bool = True, **kw) -> dict[str, GroupCurve]:
+        """Measure each backbone's forward time by rows on this runner's device and cap its groups
+        where a bigger one stops paying (or passes `budget_s`): `vlamux.model.calibrate`. Call it
+        between groups (the engine thread): it runs forwards of its own. force=False: a curve another
+        runner measured on this same backbone object (the same device) is taken as it is."""
+        from vlamux.model.calibrate import calibrate
+
+        with self.lane.active():
+            for bid, backbone in self.backbones.items():
+                known = getattr(backbone, "group_curve", None)
+                if not force and known is not None and known.budget_s == budget_s:
+                    self.group_curves[bid] = known
+                    continue
+                curve = calibrate(backbone, self.lane, budget_s, **kw)
+                backbone.group_curve = curve
+                self.group_curves[bid] = curve
+                log.info("backbone %s: groups capped at %s rows (%s; measured in %.2fs)", bid, curve.cap,
+                         curve.reason, curve.measured_in_s)
+        return dict(self.group_curves)
+
+    def group_caps(self) -> int | dict | None:
+        """The row caps `plan_groups` applies: the configured `max_group_rows`, and each calibrated
+        backbone's learned cap (the smaller where both are set)."""
+        if not self.group_curves:
+            return self.max_group_rows
+        return {bid: min(c.cap, self.max_group_rows) if self.max_group_rows else c.cap
+                for bid, c in self.group_curves.items()} | {
+                    bid: self.max_group_rows for bid in self.backbones if bid not in self.group_curves}
+
     # ---- execution ------------------------------------------------------------------------------
     def optim_step(self, tenant: str) -> Result:
         t0 = time.perf_counter()
@@ -173,7 +205,7 @@ class ModelRunner:
                 if grouped:
                     keys = [self.slots[requests[i].tenant].backbone_id for i in indices]
                     rows = [batches[i].batch_size for i in indices]
-                    plan = [[indices[j] for j in g] for g in plan_groups(keys, rows, self.max_group_rows,
+                    plan = [[indices[j] for j in g] for g in plan_groups(keys, rows, self.group_caps(),
                                                                          [requests[i].tenant for i in indices])]
                 else:
                     plan = [[i] for i in indices]

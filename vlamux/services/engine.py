@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 
 from vlamux.model.device import dtype_name
 
@@ -18,16 +19,42 @@ class EngineLoop:
     _thread: threading.Thread | None = None
     _running = False
     heartbeat = 0.0
+    # "learned": measure the backbones' group caps at start and on request (vlamux.model.calibrate)
+    group_cap: str | None = None
+    group_budget_s: float | None = None
+    _calibration: Future | None = None
 
     def _loop(self) -> None:
         while self._running:
             self.heartbeat = time.monotonic()
             try:
+                if self._calibration is not None:  # between groups, on the engine's own thread
+                    self._calibrate()
                 self.run_once(0.05)
             except Exception:  # noqa: BLE001 - the engine must outlive one bad batch
                 log.exception("%s: engine iteration failed", self.name)
 
+    def calibrate(self) -> Future:
+        """Measure the group caps again (between two groups); the future gets the curves."""
+        fut: Future = Future()
+        self._calibration = fut
+        return fut
+
+    def _calibrate(self, force: bool = True) -> None:
+        fut, self._calibration = self._calibration, None
+        try:
+            curves = self.runner.calibrate(self.group_budget_s, force=force)
+        except Exception as e:  # noqa: BLE001 - serving goes on uncapped; the caller hears why
+            log.exception("%s: group calibration failed", self.name)
+            if fut is not None:
+                fut.set_exception(e)
+            return
+        if fut is not None:
+            fut.set_result({bid: c.describe() for bid, c in curves.items()})
+
     def start(self):
+        if self.group_cap == "learned" and not self.runner.group_curves:
+            self._calibrate(force=False)  # before serving: the first groups are capped already
         self._running = True
         self.heartbeat = time.monotonic()
         self._thread = threading.Thread(target=self._loop, name=f"vlamux-{self.name}", daemon=True)
@@ -53,4 +80,5 @@ class EngineLoop:
                 "device": str(lane.device), "dtype": dtype_name(lane.dtype), "fuse_heads": self.runner.fuse_heads,
                 "fused_calls": self.runner.fused.calls if self.runner.fused is not None else 0,
                 "memory": self.runner.pools.stats(), "adapters": dict(self.runner.adapter_stats),
+                "group_caps": {bid: c.describe() for bid, c in self.runner.group_curves.items()},
                 "tenant_memory": {t: s.memory_bytes() for t, s in list(self.runner.slots.items())}}

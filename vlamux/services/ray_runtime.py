@@ -51,6 +51,10 @@ class _Actor:
             torch.set_num_threads(torch_threads)  # Ray gives fractional actors one thread otherwise
         self.incarnation = uuid.uuid4().hex
 
+    def calibrate(self) -> dict:
+        """The model service measures its group caps again (between its groups)."""
+        return self.svc.calibrate().result(CALL_TIMEOUT_S)
+
     def ping(self) -> dict:
         svc = self.svc
         alive = svc.alive() if hasattr(svc, "alive") else True
@@ -70,10 +74,12 @@ class _Actor:
 
 class InferenceActor(_Actor):
     def __init__(self, backbones: dict[str, BackboneSpec], queue: InferenceQueueConfig, name: str,
-                 device: str = "auto", torch_threads: int | None = None, dtype: str = "auto", fuse_heads: bool = True):
+                 device: str = "auto", torch_threads: int | None = None, dtype: str = "auto", fuse_heads: bool = True,
+                 group_cap: str | None = None, group_budget_s: float | None = None):
         self._init(torch_threads)
         self.svc = InferenceModelService(list(placed_backbones(backbones, device, dtype).values()), queue, name,
-                                         fuse_heads=fuse_heads).start()
+                                         fuse_heads=fuse_heads, group_cap=group_cap,
+                                         group_budget_s=group_budget_s).start()
 
     def stage_policy(self, snap: PolicySnapshot) -> None:
         self.svc.stage_policy(snap)
@@ -101,7 +107,7 @@ class InferenceActor(_Actor):
 class TrainingActor(_Actor):
     def __init__(self, backbones: dict[str, BackboneSpec], max_staleness: int | None, max_group_rows: int | None,
                  device: str = "auto", torch_threads: int | None = None, dtype: str = "auto",
-                 fuse_heads: bool = True):
+                 fuse_heads: bool = True, group_cap: str | None = None, group_budget_s: float | None = None):
         self._init(torch_threads)
         self.publisher = PolicyPublisher()
         self.publisher.start()
@@ -109,7 +115,8 @@ class TrainingActor(_Actor):
         self._sent_lock = threading.Lock()
         self.backbones = placed_backbones(backbones, device, dtype)
         self.svc = TrainingModelService(list(self.backbones.values()), self.publisher, max_staleness,
-                                        max_group_rows, fuse_heads=fuse_heads).start()
+                                        max_group_rows, fuse_heads=fuse_heads, group_cap=group_cap,
+                                        group_budget_s=group_budget_s).start()
 
     def subscribe(self, name: str, replica) -> None:
         """New versions go to `replica` from now on, and every tenant's current one goes now: a new or
@@ -148,7 +155,10 @@ class TrainingActor(_Actor):
         return self.svc.create_slot(tenant, head_spec, optim, seed, stats, backbone_id).result(CALL_TIMEOUT_S)
 
     def describe_backbones(self) -> list[dict]:
-        return [{"name": n, "default": i == 0, **b.describe()} for i, (n, b) in enumerate(self.backbones.items())]
+        curves = self.svc.runner.group_curves
+        return [{"name": n, "default": i == 0, **b.describe(),
+                 "group_caps": {"training": curves[b.backbone_id].describe()} if b.backbone_id in curves else {}}
+                for i, (n, b) in enumerate(self.backbones.items())]
 
     def forward_backward(self, tenant, obs, actions, action_mask=None, policy_version=None, priority=0, loss=None):
         if isinstance(obs, dict):
@@ -304,7 +314,7 @@ class RayRuntime:
         c = self.config
         self.training = self._actor(TrainingActor, c.training_actor).remote(
             c.named_backbones(), c.max_staleness, c.max_group_rows, c.role_device("training"), c.torch_threads,
-            c.dtype, c.fuse_heads)
+            c.dtype, c.fuse_heads, c.group_cap, c.group_budget_s)
         self._incarnations["training"] = self._ping(self.training)["incarnation"]
         self.health.watch(self._role("training", lambda: self.training, self._restore_training))
         for _ in range(c.environment_replicas):
@@ -398,6 +408,14 @@ class RayRuntime:
             self._recipes[tenant] = _Recipe(head_spec, optim, seed, backbone_id)
         return self._remember_after(tenant, self.training.create_slot.remote(tenant, head_spec, optim, seed, stats,
                                                                             backbone_id))
+
+    def calibrate(self) -> dict:
+        """Every model service measures its group caps again: {service: curves}."""
+        with self._lock:
+            actors = {"training": self.training, **self.replicas}
+        out = {name: ray.get(a.calibrate.remote(), timeout=CALL_TIMEOUT_S + 10) for name, a in actors.items()}
+        self._backbones = None  # described afresh, with the new caps
+        return out
 
     def describe_backbones(self) -> list[dict]:
         if self._backbones is None:
@@ -515,7 +533,7 @@ class RayRuntime:
         name = f"inference-{index}"
         handle = self._actor(InferenceActor, c.inference_actor, max_concurrency=4096).remote(
             c.named_backbones(), c.inference_queue, name, c.role_device("inference", index), c.torch_threads, c.dtype,
-            c.fuse_heads)
+            c.fuse_heads, c.group_cap, c.group_budget_s)
         self._incarnations[name] = self._ping(handle)["incarnation"]
         with self._lock:
             self.replicas[name] = handle

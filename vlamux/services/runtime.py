@@ -25,6 +25,7 @@ from vlamux.services.queues import InferenceQueueConfig, QueueClosed
 from vlamux.services.training import TrainingModelService
 
 log = logging.getLogger(__name__)
+CALIBRATE_TIMEOUT_S = 300.0  # a model service's re-measurement of its group caps
 
 
 @dataclass
@@ -44,6 +45,10 @@ class RuntimeConfig:
     inference_queue: InferenceQueueConfig = field(default_factory=InferenceQueueConfig)
     max_staleness: int | None = None
     max_group_rows: int | None = None
+    # "learned": each model service measures its backbones' forward time by rows at start (and on
+    # `calibrate()`) and caps groups where a bigger one stops paying; None: groups are uncapped
+    group_cap: str | None = "learned"
+    group_budget_s: float | None = None  # and at most this long a group forward (latency)
     health_interval_s: float = 0.5
     hung_after_s: float = 30.0
     env_check_every_s: float = 5.0
@@ -175,8 +180,16 @@ class EmbeddedRuntime:
         for i, (name, b) in enumerate(held.items()):
             desc = {"name": name, "default": i == 0, **b.describe()}
             desc["devices"] = sorted({str(self._backbones[d][name].device) for d in self._backbones})
+            desc["group_caps"] = {svc.name: svc.runner.group_curves[b.backbone_id].describe()
+                                  for svc in (self.training, *self.replicas.values())
+                                  if svc is not None and b.backbone_id in svc.runner.group_curves}
             out.append(desc)
         return out
+
+    def calibrate(self) -> dict:
+        """Every model service measures its group caps again (between its groups): {service: curves}."""
+        futures = {svc.name: svc.calibrate() for svc in (self.training, *self.replicas.values())}
+        return {name: f.result(CALIBRATE_TIMEOUT_S) for name, f in futures.items()}
 
     def save_state(self, tenant: str, path: str | Path) -> Future:
         return self._tracked(tenant, path, self.training.save_state(tenant, path))
@@ -213,7 +226,8 @@ class EmbeddedRuntime:
     def _new_training(self) -> TrainingModelService:
         held = list(self._backbones_on(self.config.role_device("training")).values())
         return TrainingModelService(held, self.publisher, self.config.max_staleness,
-                                    self.config.max_group_rows, fuse_heads=self.config.fuse_heads)
+                                    self.config.max_group_rows, fuse_heads=self.config.fuse_heads,
+                                    group_cap=self.config.group_cap, group_budget_s=self.config.group_budget_s)
 
     def _restart_training(self) -> None:
         """Rebuild the training role; each tenant comes back from its last checkpoint, else from its
@@ -255,7 +269,8 @@ class EmbeddedRuntime:
 
     def _start_replica(self, name: str) -> InferenceModelService:
         svc = InferenceModelService(list(self._backbones_on(self._devices[name]).values()),
-                                    self.config.inference_queue, name, fuse_heads=self.config.fuse_heads)
+                                    self.config.inference_queue, name, fuse_heads=self.config.fuse_heads,
+                                    group_cap=self.config.group_cap, group_budget_s=self.config.group_budget_s)
         self.publisher.subscribe(name, svc.stage_policy)
         for snap in list(self.latest.values()):  # it serves every tenant from its newest version on
             svc.stage_policy(snap)

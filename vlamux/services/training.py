@@ -44,8 +44,9 @@ class _CreateSlot:
 class TrainingModelService(EngineLoop):
     def __init__(self, backbone: Backbone | list[Backbone], publisher: PolicyPublisher | None = None,
                  max_staleness: int | None = None, max_group_rows: int | None = None, name: str = "training",
-                 fuse_heads: bool = True):
+                 fuse_heads: bool = True, group_cap: str | None = None, group_budget_s: float | None = None):
         self.name = name
+        self.group_cap, self.group_budget_s = group_cap, group_budget_s
         self.runner = ModelRunner(backbone, fuse_heads=fuse_heads)  # every backbone this service holds
         self.backbone = self.runner.backbones[self.runner.default_backbone]
         self.publisher = publisher

@@ -1,0 +1,109 @@
+"""A group size learned from the hardware: how long the backbone takes by rows, on its own device and
+dtype, and the largest group that still pays.
+
+Grouping k requests into one forward saves what the k calls would each spend beyond their rows'
+work (launches, Python, small kernels); once a forward's time grows in proportion to its rows (a
+saturated device) or faster (caches overflowing), a bigger group saves nothing, and can cost more
+than serial calls. `measure` times the backbone at 1, 2, 4, ... rows (interleaved, medians);
+`choose_cap` takes the size whose time per row is lowest (the smallest within 3% of it), among
+those within a latency budget. The runner then splits groups at that many rows, so a
+group is never slower than its requests run one by one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+DOUBLING_GAIN = 0.03  # a doubling must save at least this fraction of two half-size calls
+MAX_ROWS = 256
+MAX_CALL_S = 0.25  # stop measuring past forwards this long (a budget larger than this is not probed)
+MAX_PROBE_S = 2.0  # and once probing has taken this long
+
+
+@dataclass
+class GroupCurve:
+    """A backbone's forward time by rows on one device, and the group cap chosen from it."""
+
+    backbone_id: str
+    rows: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    cap: int | None = None  # rows; None: not measured (no cap)
+    budget_s: float | None = None
+    reason: str = ""
+
+    def describe(self) -> dict:
+        return {"rows": self.cap, "budget_s": self.budget_s, "reason": self.reason,
+                "curve": [[r, round(s, 6)] for r, s in zip(self.rows, self.seconds)]}
+
+
+def probe_batch(backbone, rows: int, seed: int = 0):
+    """A request of `rows` rows in the backbone's input form: two 64 px cameras (or its image size),
+    a 20-character instruction, a state; what the service's requests look like, synthetic."""
+    from vlamux.synthetic import TaskProfile, make_batch
+
+    size = backbone.schema.image_size or 64
+    profile = TaskProfile({"agentview": (size, size), "wrist": (size, size)}, 4, 4, 8, "pick up the {color} cube")
+    obs, _ = make_batch(profile, rows, torch.Generator().manual_seed(seed))
+    return backbone.prepare(obs)
+
+
+def measure(backbone, lane, max_rows: int = MAX_ROWS, repeats: int = 3, max_call_s: float = MAX_CALL_S
+            ) -> tuple[list[int], list[float]]:
+    """Median forward seconds at 1, 2, 4, ... rows, each size's calls interleaved with the others'
+    (drift spreads evenly); stops at `max_rows` or once a call takes `max_call_s`. `lane`: the
+    runner's (its stream and its event timing)."""
+    sizes, batches, first = [], {}, []
+    r, past, began = 1, 0, time.perf_counter()
+    with torch.no_grad():
+        while r <= max_rows and past < 2 and time.perf_counter() - began < MAX_PROBE_S:
+            # probe on until two doublings in a row stopped paying
+            batches[r] = probe_batch(backbone, r, seed=r)
+            backbone.forward_group([batches[r]])  # warm-up
+            start = lane.mark()
+            backbone.forward_group([batches[r]])  # a first estimate
+            end = _done(lane.mark())
+            sizes.append(r)
+            first.append(lane.seconds(start, end))
+            if first[-1] > max_call_s:
+                break
+            past = past + 1 if len(first) > 1 and first[-1] > 2 * first[-2] * (1 - DOUBLING_GAIN) else 0
+            r *= 2
+        times: dict[int, list[float]] = {r: [] for r in sizes}
+        for _ in range(repeats):
+            for r in sizes:
+                start = lane.mark()
+                backbone.forward_group([batches[r]])
+                end = _done(lane.mark())
+                times[r].append(lane.seconds(start, end))
+    return sizes, [statistics.median(times[r]) for r in sizes]
+
+
+def _done(mark):
+    """Wait for a mark (a CUDA event: that event only, not the device) before it is read."""
+    if hasattr(mark, "synchronize"):
+        mark.synchronize()
+    return mark
+
+
+def choose_cap(rows: list[int], seconds: list[float], budget_s: float | None = None,
+               gain: float = DOUBLING_GAIN) -> tuple[int, str]:
+    """The group size whose time per row is lowest (the smallest one within `gain` of it: a bigger
+    group for less than that is latency for nothing), among the sizes within `budget_s`; and why."""
+    within = [(r, t) for r, t in zip(rows, seconds) if budget_s is None or t <= budget_s] or [(rows[0], seconds[0])]
+    best = min(t / r for r, t in within)
+    cap, t = next((r, t) for r, t in within if t / r <= best * (1 + gain))
+    over = "" if len(within) == len(rows) else f"; {rows[len(within)]} rows pass the {budget_s * 1e3:.0f} ms budget"
+    return cap, f"{cap} rows: {t / cap * 1e3:.2f} ms a row, within {gain:.0%} of the lowest measured{over}"
+
+
+def calibrate(backbone, lane, budget_s: float | None = None, **kw) -> GroupCurve:
+    t0 = time.perf_counter()
+    rows, seconds = measure(backbone, lane, **kw)
+    cap, reason = choose_cap(rows, seconds, budget_s)
+    curve = GroupCurve(backbone.backbone_id, rows, seconds, cap, budget_s, reason)
+    curve.measured_in_s = time.perf_counter() - t0
+    return curve
