@@ -4,8 +4,10 @@
 
 Reads bench/results/async_rl.json, bench/results/multi_tenant.json and the main job's record
 (bench/results/main_job/: summary.json and one metrics.csv per job, copied from a
-`python -m vlamux.main_job` run's workdir by `--record`), writes docs/img/*.png. A missing input
-file skips its plot with a line saying so; nothing is measured here.
+`python -m vlamux.main_job` run's workdir by `--record`), writes docs/img/*.png; then checks that
+every number in docs/RESULTS.md's tables is in a result file its section names
+(scripts/check_results.py). A missing input file, or a number found in none, fails it (exit 1);
+nothing is measured here.
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ IMG = ROOT / "docs" / "img"
 MAIN_JOB = RESULTS / "main_job"
 
 
-def _load(path: Path) -> dict | None:
+MISSING: list[str] = []  # input files not found: the run fails at the end
+
+
+def _load(path: Path, optional: bool = False) -> dict | None:
     if not path.exists():
-        print(f"skip: {path.relative_to(ROOT)} not found")
+        print(f"{'skip' if optional else 'missing'}: {path.relative_to(ROOT)} not found")
+        if not optional:
+            MISSING.append(str(path.relative_to(ROOT)))
         return None
     return json.loads(path.read_text())
 
@@ -48,7 +55,7 @@ def async_rl() -> None:
     r = _load(RESULTS / "async_rl.json")
     if r is None:
         return
-    warm = _load(RESULTS / "async_rl_warm.json")
+    warm = _load(RESULTS / "async_rl_warm.json", optional=True)
     fig, axes = plt.subplots(1, 3 if warm else 2, figsize=(15 if warm else 10, 3.8))
     ax1, ax2 = axes[0], axes[1]
     modes = ["sync", "async"]
@@ -188,6 +195,15 @@ def main(argv=None) -> int:
     async_rl()
     multi_tenant()
     main_job()
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from check_results import check
+
+    problems = check()
+    for line in problems:
+        print(f"docs/RESULTS.md {line}")
+    if MISSING or problems:
+        print(f"plots: {len(MISSING)} input files missing, {len(problems)} table numbers without a source")
+        return 1
     return 0
 
 

@@ -25,7 +25,11 @@ from vlamux.envs.render import configure_gl, gl_choice
 log = logging.getLogger(__name__)
 
 
-def _worker_main(conn, spec: EnvSpec, n_envs: int, render_device: int | None = None) -> None:
+def _worker_main(conn, spec: EnvSpec, n_envs: int, render_device: int | None = None,
+                 cpus: tuple[int, ...] | None = None) -> None:
+    from vlamux.utils.placement import pin_self
+
+    pin_self(cpus)  # before the simulator starts threads of its own: they inherit it
     _configure_rendering(render_device)
     from vlamux.envs import make_env  # after the GL backend and device are fixed: it may import mujoco
 
@@ -103,14 +107,18 @@ class VectorEnv:
     """n sub-environments of one `EnvSpec`, spread over worker processes.
 
     render_device: the GPU the workers' EGL renders on (their MUJOCO_EGL_DEVICE_ID; None: the
-    inherited one or MuJoCo's default). Ignored when the GL backend is not EGL.
+    inherited one or MuJoCo's default). Ignored when the GL backend is not EGL. cpus: the cores the
+    worker processes run on (CPU affinity; None: wherever the OS puts them).
     """
 
     def __init__(self, spec: EnvSpec, n_envs: int, n_workers: int | None = None, timeout_s: float = 30.0,
-                 start_timeout_s: float = 120.0, render_device: int | None = None):
+                 start_timeout_s: float = 120.0, render_device: int | None = None, cpus=None):
         if n_envs < 1:
             raise ValueError(f"n_envs must be >= 1, got {n_envs}")
+        from vlamux.utils.placement import check_cpus
+
         self.render_device = _check_device(render_device)
+        self.cpus = check_cpus(cpus, "env worker cpus", machine=True)  # the cores the workers run on (None: any)
         configure_gl()  # probed here once, so the workers inherit the choice instead of each probing
         self.spec, self.n_envs = spec, n_envs
         self.n_workers = max(1, min(n_envs, n_workers or os.cpu_count() or 1))
@@ -154,7 +162,8 @@ class VectorEnv:
     # ---- workers --------------------------------------------------------------------------------
     def _start(self, w: int) -> None:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.spec, len(self._assign[w]), self.render_device),
+        proc = self._ctx.Process(target=_worker_main, args=(child, self.spec, len(self._assign[w]), self.render_device,
+                                                            self.cpus),
                                  daemon=True, name=f"vlamux-env-{w}")
         proc.start()
         child.close()

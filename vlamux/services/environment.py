@@ -218,7 +218,7 @@ class EnvironmentService:
                  env_timeout_s: float = 30.0, start_timeout_s: float = 120.0,
                  allowed_dataset_roots: Sequence[str | Path] | None = None,
                  vector_env_factory: Callable[..., Any] = VectorEnv, name: str = "",
-                 render_devices: Sequence[int] | None = None):
+                 render_devices: Sequence[int] | None = None, worker_cpus: Sequence[int] | None = None):
         for quota, v in (("max_sessions_per_tenant", max_sessions_per_tenant),
                         ("max_envs_per_tenant", max_envs_per_tenant),
                         ("max_datasets_per_tenant", max_datasets_per_tenant), ("max_envs_total", max_envs_total)):
@@ -234,6 +234,7 @@ class EnvironmentService:
             [Path(r).expanduser().resolve() for r in allowed_dataset_roots]
         self._factory = vector_env_factory
         self.render_devices = _devices(render_devices)
+        self.worker_cpus = tuple(worker_cpus) if worker_cpus else None  # the simulators' cores (placement)
         self._next_device = 0  # round-robin position in render_devices
         self.name = name
         self._id_prefix = f"{name}." if name else ""  # a runtime with several replicas routes an id by it
@@ -307,6 +308,8 @@ class EnvironmentService:
         try:
             # only when set: a custom factory written before render devices need not accept it
             device_kw = {} if render_device is None else {"render_device": render_device}
+            if self.worker_cpus:
+                device_kw["cpus"] = self.worker_cpus
             vec = self._factory(spec, n_envs, n_workers=n_workers, timeout_s=timeout_s,
                                 start_timeout_s=start_timeout_s, **device_kw)
             now, wall = time.monotonic(), time.time()

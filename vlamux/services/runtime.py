@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -49,13 +50,22 @@ class RuntimeConfig:
     # `calibrate()`) and caps groups where a bigger one stops paying; None: groups are uncapped
     group_cap: str | None = "learned"
     group_budget_s: float | None = None  # and at most this long a group forward (latency)
+    # Placement by resource (vlamux.utils.placement): the model services (this process's threads, and
+    # torch's intra-op threads, one per core) on `service_cpus`, the simulator workers on `env_cpus`.
+    # None: wherever the OS puts them (today's shared setting).
+    service_cpus: tuple[int, ...] | None = None
+    env_cpus: tuple[int, ...] | None = None
     health_interval_s: float = 0.5
     hung_after_s: float = 30.0
     env_check_every_s: float = 5.0
     environment: dict = field(default_factory=dict)  # EnvironmentService keyword arguments
 
     def __post_init__(self):
+        from vlamux.utils.placement import check_cpus
+
         self.inference_devices = tuple(self.inference_devices)
+        self.service_cpus = check_cpus(self.service_cpus, "service_cpus")
+        self.env_cpus = check_cpus(self.env_cpus, "env_cpus")
         for name in (self.device, self.training_device, *self.inference_devices):
             if name is not None and not isinstance(name, str):
                 raise ValueError(f"runtime config: devices are strings such as 'auto', 'cpu', 'cuda:1'; got {name!r}")
@@ -113,7 +123,10 @@ class EmbeddedRuntime:
         self.publisher.subscribe("runtime", self._remember)
         self.training = self._new_training()
         self.replicas: dict[str, InferenceModelService] = {}
-        self.environment = EnvironmentService(**self.config.environment)
+        env_kw = dict(self.config.environment)
+        if self.config.env_cpus:
+            env_kw.setdefault("worker_cpus", self.config.env_cpus)
+        self.environment = EnvironmentService(**env_kw)
         self.health = HealthManager(self.config.health_interval_s, self.config.hung_after_s,
                                     env_check=self.environment.check_workers,
                                     env_check_every_s=self.config.env_check_every_s)
@@ -126,6 +139,14 @@ class EmbeddedRuntime:
 
     # ---- lifecycle --------------------------------------------------------------------------------
     def start(self) -> EmbeddedRuntime:
+        if self.config.service_cpus:
+            import torch
+
+            from vlamux.utils.placement import pin_process
+
+            self._unpinned = (os.sched_getaffinity(0), torch.get_num_threads())  # restored by stop()
+            pin_process(self.config.service_cpus)
+            torch.set_num_threads(len(self.config.service_cpus))
         self.publisher.start()
         self.training.start()
         self.health.watch(Role("training", lambda: self.training.alive(), lambda: self.training.heartbeat,
@@ -138,6 +159,14 @@ class EmbeddedRuntime:
         return self
 
     def stop(self) -> None:
+        if getattr(self, "_unpinned", None) is not None:
+            import torch
+
+            from vlamux.utils.placement import pin_process
+
+            pin_process(self._unpinned[0])
+            torch.set_num_threads(self._unpinned[1])
+            self._unpinned = None
         self.health.stop()
         for name in list(self.replicas):
             self.replicas.pop(name).stop()
