@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 ROOT = Path(__file__).resolve().parent.parent
 
-from common import PoolSampler, cpu_seconds, environment, print_table, write_json  # noqa: E402
+from common import PoolSampler, cpu_seconds, environment, print_table, split_cores, write_json  # noqa: E402
 from vlamux.envs import EnvSpec  # noqa: E402
 from vlamux.model import HeadSpec, OptimizerSpec  # noqa: E402
 from vlamux.model.backbones import spec_from_arg  # noqa: E402
@@ -50,12 +50,14 @@ def lane_counters(rt: EmbeddedRuntime) -> dict:
             "distribution": getattr(rt.publisher, "busy_s", 0.0)}
 
 
-def make_runtime(kind: str, preset: str, batch_rows: int, threads: int, device: str = "auto", dtype: str = "auto"):
-    """The services in this process (embedded), or as Ray actors in processes of their own."""
+def make_runtime(kind: str, preset: str, batch_rows: int, threads: int, device: str = "auto", dtype: str = "auto",
+                 split: bool = False):
+    """The services in this process (embedded), or as Ray actors in processes of their own. split: the
+    model services on their cores, the simulator workers on the others (`split_cores`; embedded only)."""
     queue = InferenceQueueConfig(batch_rows=batch_rows, max_wait_s=0.005)
     place = {"backbone": spec_from_arg(preset), "device": device, "dtype": dtype}
     if kind == "embedded":
-        return EmbeddedRuntime(RuntimeConfig(**place, inference_queue=queue)).start()
+        return EmbeddedRuntime(RuntimeConfig(**place, inference_queue=queue, **(split_cores() if split else {}))).start()
     import ray
 
     from vlamux.services.ray_facade import RayServices
@@ -145,52 +147,17 @@ def curve(stats: dict, window: int = 20) -> list[list[float]]:
 cfg_lr = 1e-4
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="tiny budget: under a minute")
-    ap.add_argument("--preset", "--backbone", dest="preset", default="tiny", metavar="PRESET_OR_DIR",
-                    help="the backbone: a built-in preset or a model directory")
-    ap.add_argument("--env-steps", type=int, default=None, help="per tenant")
-    ap.add_argument("--tenants", type=int, default=1, help="RL tenants per mode (D-VLA's experiment: one)")
-    ap.add_argument("--image-size", type=int, default=None)
-    ap.add_argument("--sub-batches", type=int, default=2)
-    ap.add_argument("--n-envs", type=int, default=4, help="envs per sub-batch")
-    ap.add_argument("--batch-rows", type=int, default=None,
-                    help="Inference Queue B (default: one sub-batch, so a chunk never waits T for rows that "
-                         "a synchronous round could not send)")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads per op (1: the lanes' ops run side by side instead of fighting for cores)")
-    ap.add_argument("--switch-interval-ms", type=float, default=None,
-                    help="Python's GIL switch interval (default 5 ms)")
-    ap.add_argument("--warm-start", type=int, default=0, metavar="STEPS",
-                    help="SFT steps on scripted demonstrations before RL, the same start for both modes "
-                         "(RL then runs at lr 3e-5, 2 passes per segment, PPO critic warm-up)")
-    ap.add_argument("--warm-demos", type=int, default=200)
-    ap.add_argument("--runtime", choices=("embedded", "ray"), default="embedded",
-                    help="ray: the services as Ray actors, each in a process of its own (no shared GIL)")
-    ap.add_argument("--out", default=None)
-    add_device_arguments(ap)
-    args = ap.parse_args(argv)
-    device, dtype = parse_device_arguments(ap, args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.switch_interval_ms:
-        sys.setswitchinterval(args.switch_interval_ms / 1e3)
-    steps = args.env_steps or (480 if args.quick else 6000)
-    image = args.image_size or (32 if args.quick else 64)
-    env = EnvSpec(task="goal/touch-red-cube", image_size=image, max_steps=60, n_action_steps=2)
-    head = HeadSpec("gaussian", 4, 4, 8)
-    cfg = RLConfig(env=env, env_steps=steps, n_envs=args.n_envs, sub_batches=args.sub_batches, segment_steps=8,
-                   max_staleness=2, minibatch_rows=32)
-    if args.warm_start:  # the gentle settings that keep a cloned policy (docs/RESULTS.md, RL from SFT)
-        cfg = RLConfig(**{**cfg.__dict__, "lr": 3e-5, "epochs": 2, "critic_warmup": 30, "max_staleness": 4})
+def measure(args, split: bool, steps: int, image: int, env, head, cfg, device, dtype) -> dict:
+    """Sync then async on one runtime (shared cores, or split: services on core 0, simulators on core
+    1): both modes' figures and the bounds of their speedup from the same run."""
     rt = make_runtime(args.runtime, args.preset, args.batch_rows or args.n_envs, args.threads, str(device),
-                      dtype_name(dtype))
+                      dtype_name(dtype), split=split)
     tenants = [f"tenant{i}" for i in range(args.tenants)]
     placement = {k: rt.metrics()["training"][k] for k in ("device", "dtype")}  # as the services run
     print(f"async RL: preset={args.preset}, {args.tenants} tenants x {steps} env steps, {env.task} at {image}px, "
           f"{cfg.sub_batches} sub-batches x {cfg.n_envs} envs, threads={torch.get_num_threads()}, "
-          f"model services on {device} ({dtype_name(dtype)})", flush=True)
+          f"model services on {device} ({dtype_name(dtype)}), "
+          f"{'split: ' + str(split_cores()) if split else 'shared cores'}", flush=True)
     try:
         warm = None
         if args.warm_start:
@@ -244,7 +211,67 @@ def main(argv=None) -> int:
                           "segment_steps": cfg.segment_steps, "max_staleness": cfg.max_staleness,
                           "warm_start_steps": args.warm_start, "lr": cfg.lr or cfg_lr, "epochs": cfg.epochs,
                           "runtime": args.runtime},
-               "environment": environment(device, dtype), "memory": pools.last, "placement": placement}
+               "environment": environment(device, dtype), "memory": pools.last,
+               "placement": {**placement, **({k: list(v) for k, v in split_cores().items()} if split
+                                             else {"cores": "shared"})}}
+    return payload
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny budget: under a minute")
+    ap.add_argument("--preset", "--backbone", dest="preset", default="tiny", metavar="PRESET_OR_DIR",
+                    help="the backbone: a built-in preset or a model directory")
+    ap.add_argument("--env-steps", type=int, default=None, help="per tenant")
+    ap.add_argument("--tenants", type=int, default=1, help="RL tenants per mode (D-VLA's experiment: one)")
+    ap.add_argument("--image-size", type=int, default=None)
+    ap.add_argument("--sub-batches", type=int, default=2)
+    ap.add_argument("--n-envs", type=int, default=4, help="envs per sub-batch")
+    ap.add_argument("--batch-rows", type=int, default=None,
+                    help="Inference Queue B (default: one sub-batch, so a chunk never waits T for rows that "
+                         "a synchronous round could not send)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads per op (1: the lanes' ops run side by side instead of fighting for cores)")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="Python's GIL switch interval (default 5 ms)")
+    ap.add_argument("--warm-start", type=int, default=0, metavar="STEPS",
+                    help="SFT steps on scripted demonstrations before RL, the same start for both modes "
+                         "(RL then runs at lr 3e-5, 2 passes per segment, PPO critic warm-up)")
+    ap.add_argument("--warm-demos", type=int, default=200)
+    ap.add_argument("--runtime", choices=("embedded", "ray"), default="embedded",
+                    help="ray: the services as Ray actors, each in a process of its own (no shared GIL)")
+    ap.add_argument("--placement", choices=("shared", "split", "both"), default="both",
+                    help="shared cores, the papers' split (services on a quarter of the cores, simulators on the "
+                         "rest: one each on two), or both in one "
+                         "run (the split's figures go in the result's `split` section)")
+    ap.add_argument("--out", default=None)
+    add_device_arguments(ap)
+    args = ap.parse_args(argv)
+    device, dtype = parse_device_arguments(ap, args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.switch_interval_ms:
+        sys.setswitchinterval(args.switch_interval_ms / 1e3)
+    steps = args.env_steps or (480 if args.quick else 6000)
+    image = args.image_size or (32 if args.quick else 64)
+    env = EnvSpec(task="goal/touch-red-cube", image_size=image, max_steps=60, n_action_steps=2)
+    head = HeadSpec("gaussian", 4, 4, 8)
+    cfg = RLConfig(env=env, env_steps=steps, n_envs=args.n_envs, sub_batches=args.sub_batches, segment_steps=8,
+                   max_staleness=2, minibatch_rows=32)
+    if args.warm_start:  # the gentle settings that keep a cloned policy (docs/RESULTS.md, RL from SFT)
+        cfg = RLConfig(**{**cfg.__dict__, "lr": 3e-5, "epochs": 2, "critic_warmup": 30, "max_staleness": 4})
+    settings = ["shared", "split"] if args.placement == "both" else [args.placement]
+    if args.runtime == "ray" and "split" in settings:
+        ap.error("--placement split is the embedded runtime's (Ray places actors by its own resources)")
+    payload = {}
+    for setting in settings:
+        out = measure(args, setting == "split", steps, image, env, head, cfg, device, dtype)
+        if setting == "shared":
+            payload.update(out)
+        else:
+            payload["split"] = out
+    if "split" in settings and "shared" not in settings:
+        payload = {**payload["split"], "split": payload["split"]}
     path = write_json("async_rl_quick.json" if args.quick else "async_rl.json", payload, args.out)
     print(f"wrote {path}")
     return 0

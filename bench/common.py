@@ -192,3 +192,15 @@ def plain_model(backbone, heads: list, b: int, mode: str, profile) -> dict[str, 
             head_work(head, f, slice(i * b, (i + 1) * b))
 
     return {"dense_one": one, "dense_split": split}
+
+
+def split_cores() -> dict:
+    """The papers' resource split on this machine's cores: a quarter (at least one) for the model
+    services, the rest for the simulators; on two cores, one each (RuntimeConfig keyword arguments)."""
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--placement split needs at least two cores")
+    k = max(1, len(cores) // 4)
+    return {"service_cpus": tuple(cores[:k]), "env_cpus": tuple(cores[k:])}

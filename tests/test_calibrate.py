@@ -14,10 +14,11 @@ from vlamux.synthetic import TaskProfile, make_batch
 
 @pytest.mark.parametrize("seconds, budget, cap", [
     ([0.040, 0.050, 0.070, 0.120, 0.300], None, 8),  # per-call overhead amortised up to 8 rows, then caches spill
-    ([0.010, 0.020, 0.040, 0.080], None, 1),  # time in proportion to rows: grouping saves nothing
+    ([0.010, 0.020, 0.040, 0.080], None, 8),  # time in proportion to rows: grouping saves nothing, costs nothing
+    ([0.010, 0.020, 0.045, 0.100], None, 2),  # rows cost more past 2: stop there
     ([0.010, 0.011, 0.012, 0.013, 0.014], None, 16),  # overhead everywhere: the biggest measured
     ([0.040, 0.050, 0.070, 0.120, 0.230], 0.1, 4),  # the latency budget binds first
-    ([0.010, 0.0199, 0.0397, 0.0792], None, 1),  # gains under 3% are not worth the latency
+    ([0.010, 0.0199, 0.0397, 0.0830], None, 4),  # 8 rows cost 4% more a row than 4
 ])
 def test_the_cap_follows_the_curve(seconds, budget, cap):
     rows = [2 ** i for i in range(len(seconds))]
@@ -43,10 +44,10 @@ def test_measuring_stops_once_bigger_groups_stop_paying():
         backbone_id = "fake"
 
         def prepare(self, obs):
-            return obs.batch_size
+            return obs
 
         def forward_group(self, batches):
-            lane.t += 1e-3 * (1.0 + max(0, batches[0] - 4))
+            lane.t += 1e-3 * (1.0 + max(0, len(batches) - 4))  # a group of one-row requests
 
     rows, seconds = measure(Backbone(), lane, max_rows=256, repeats=1)
     assert rows[-1] < 256 and choose_cap(rows, seconds)[0] == 4  # the per-row cost is lowest at 4 rows

@@ -93,15 +93,17 @@ def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[di
 
 
 def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny", on_tick=None,
-        timeout_s: float = 24 * 3600, device: str = "auto", dtype: str = "auto") -> dict:
+        timeout_s: float = 24 * 3600, device: str = "auto", dtype: str = "auto", placement: dict | None = None,
+        label: str | None = None) -> dict:
     """Run the jobs isolated (one after another, fresh services each) or all at once; returns wall
-    time, service utilisation and each job's result."""
-    workdir = Path(workdir) / mode
+    time, service utilisation and each job's result. placement: RuntimeConfig's service_cpus /
+    env_cpus (None: shared cores)."""
+    workdir = Path(workdir) / (label or mode)
     results, walls, busy, placed = {}, [], {"training": 0.0, "inference": 0.0}, {}
     groups = [[s] for s in specs] if mode == "isolated" else [specs]
     t_all = time.monotonic()
     for group in groups:
-        rt = _runtime(backbone, device, dtype)
+        rt = _runtime(backbone, device, dtype, placement)
         try:
             master = MasterService(rt, workdir)
             t0 = time.monotonic()
@@ -123,10 +125,11 @@ def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny
             "busy_s": busy, "jobs": results}
 
 
-def _runtime(backbone: str, device: str = "auto", dtype: str = "auto") -> EmbeddedRuntime:
+def _runtime(backbone: str, device: str = "auto", dtype: str = "auto", placement: dict | None = None
+             ) -> EmbeddedRuntime:
     return EmbeddedRuntime(RuntimeConfig(backbone=spec_from_arg(backbone), device=device, dtype=dtype,
                                          inference_queue=InferenceQueueConfig(batch_rows=32, max_wait_s=0.005),
-                                         max_staleness=16)).start()
+                                         max_staleness=16, **(placement or {}))).start()
 
 
 def _watch(jobs, on_tick, timeout_s: float) -> None:
