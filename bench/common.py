@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import platform
 import statistics
@@ -194,9 +195,11 @@ def plain_model(backbone, heads: list, b: int, mode: str, profile) -> dict[str, 
     return {"dense_one": one, "dense_split": split}
 
 
+@functools.lru_cache(maxsize=1)
 def split_cores() -> dict:
     """The papers' resource split on this machine's cores: a quarter (at least one) for the model
-    services, the rest for the simulators; on two cores, one each (RuntimeConfig keyword arguments)."""
+    services, the rest for the simulators; on two cores, one each (RuntimeConfig keyword arguments).
+    Taken once, before any runtime pins this process."""
     import os
 
     cores = sorted(os.sched_getaffinity(0))

@@ -22,6 +22,7 @@ DOUBLING_GAIN = 0.03  # a doubling must save at least this fraction of two half-
 MAX_ROWS = 256
 MAX_CALL_S = 0.25  # stop measuring past forwards this long (a budget larger than this is not probed)
 MAX_PROBE_S = 2.0  # and once probing has taken this long
+PROBE_IMAGE_SIZE = 128  # the probe's cameras where the backbone takes any size
 
 
 @dataclass
@@ -42,11 +43,12 @@ class GroupCurve:
 
 def probe_group(backbone, rows: int, seed: int = 0) -> list:
     """A group of `rows` one-row requests in the backbone's input form (two cameras at its image size,
-    or 64 px, instructions of a few lengths, a state): how a group of many tenants' requests runs
-    (each request its own attention, or its own padding), synthetic."""
+    or, for a VLM that takes any size, 128 px: larger images cost more tokens a row, so a cap learned
+    on them is the safe one for smaller ones; instructions of a few lengths, a state): how a group of
+    many tenants' requests runs (each request its own attention, or its own padding), synthetic."""
     from vlamux.synthetic import TaskProfile, make_batch
 
-    size = backbone.schema.image_size or 64
+    size = backbone.schema.image_size or PROBE_IMAGE_SIZE
     templates = ["pick up the {color} cube", "push {color} away", "touch the {color} ball now", "grab {color}"]
     g = torch.Generator().manual_seed(seed)
     out = []
