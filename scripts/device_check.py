@@ -76,14 +76,14 @@ def steps() -> list[Step]:
              ["bench/inference_serving.py", "--preset", "tiny", "--sessions", "1,2", "--seconds", "0.5", *cpu], 45),
         Step("async_rl",
              ["bench/async_rl.py", "--preset", "base", "--env-steps", "2400", "--n-envs", "8", "--image-size", "64",
-              "--threads", "4", *gpu],
+              "--threads", "4", "--placement", "shared", *gpu],  # on a GPU the services hold the GPU either way
              ["bench/async_rl.py", "--preset", "tiny", "--env-steps", "32", "--n-envs", "2", "--sub-batches", "1",
-              "--image-size", "32", *cpu], 60),
+              "--image-size", "32", "--placement", "shared", *cpu], 60),
         Step("multi_tenant",
              ["bench/multi_tenant.py", "--sft-steps", "150", "--warm-start-steps", "30", "--rl-env-steps", "1200",
-              "--demos", "20", "--demo-cameras", "image", "--threads", "4", *gpu],
+              "--demos", "20", "--demo-cameras", "image", "--threads", "4", "--placement", "shared", *gpu],
              ["bench/multi_tenant.py", "--quick", "--sft-steps", "4", "--warm-start-steps", "2", "--rl-env-steps",
-              "32", "--demos", "2", "--demo-cameras", "image", *cpu], 80),
+              "32", "--demos", "2", "--demo-cameras", "image", "--placement", "shared", *cpu], 80),
         Step("group_batching_xl", [gb, "--preset", "xl", "--grid", "1:1,8:1,16:4,16:16", "--repeats", "3", *quick, *gpu],
              [gb, "--preset", "tiny", "--grid", "2:1", "--repeats", "1", *none, *cpu], 50),
         # a Qwen2.5-VL of the 3B model's shape, random weights, made on the GPU in bf16 (7 GB on disk)
