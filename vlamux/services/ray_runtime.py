@@ -180,11 +180,8 @@ class TrainingActor(_Actor):
 
     def load_state(self, tenant, shipment: Shipment):
         """Load a slot file or a policy file the driver sent."""
-        path = shipping.unpack(shipment, cache=False)
-        try:
+        with shipping.received(shipment) as path:
             return self.svc.load_state(tenant, path).result(CALL_TIMEOUT_S)
-        finally:
-            shipping.discard(path)
 
     def version(self, tenant):
         return self.svc.version(tenant)
@@ -193,11 +190,8 @@ class TrainingActor(_Actor):
         return self.svc.set_lr(tenant, lr, fresh_moments).result(CALL_TIMEOUT_S)
 
     def import_adapter(self, tenant, shipment: Shipment):
-        path = shipping.unpack(shipment, cache=False)
-        try:
+        with shipping.received(shipment) as path:
             return self.svc.import_adapter(tenant, path).result(CALL_TIMEOUT_S)
-        finally:
-            shipping.discard(path)
 
     def export_adapter(self, tenant, base_model=None) -> Shipment:
         with tempfile.TemporaryDirectory() as d:
@@ -216,11 +210,8 @@ class TrainingActor(_Actor):
         slot = self.svc.runner.slots.get(tenant) or self.svc.runner.create_slot(tenant, head_spec, optim, seed,
                                                                                backbone_id)
         if checkpoint is not None:  # a Shipment of the slot file the driver kept
-            path = shipping.unpack(checkpoint, cache=False)
-            try:
+            with shipping.received(checkpoint) as path:
                 slot.load_state(path)
-            finally:
-                shipping.discard(path)
             if snapshot is not None and snapshot.version >= slot.version:
                 slot.newer_than(snapshot.version)
                 self.svc._publish(tenant)  # the replicas serve what training now holds

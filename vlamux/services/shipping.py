@@ -9,6 +9,7 @@ of what it holds, so a node unpacks a dataset once however often it is opened.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -87,6 +88,16 @@ def unpack(shipment: Shipment, cache: bool = True) -> Path:
 def discard(path: Path) -> None:
     """Remove a `cache=False` copy (its own directory too)."""
     shutil.rmtree(path.parent, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def received(shipment: Shipment):
+    """A shipment as a path on this node for the length of a block, removed afterwards."""
+    path = unpack(shipment, cache=False)
+    try:
+        yield path
+    finally:
+        discard(path)
 
 
 def write_back(shipment: Shipment, dest: str | Path) -> Path:
