@@ -152,14 +152,47 @@ class PoolSampler:
         self.last = self._read()
 
 
+def plain_heads(heads: list, mode: str, state: torch.Tensor, actions: torch.Tensor,
+                optimizers: list | None = None) -> Callable:
+    """Each head on its own b rows of a feature, as plain calls: inference samples; train takes the
+    head's loss and backward, then its plain torch optimizer's step (`optimizers`, one per head) when
+    given. Returns work(head_index, feature, rows): rows index `state` and `actions`."""
+    mask = torch.ones(actions.shape[:2], dtype=torch.bool, device=actions.device)
+
+    def work(i, feature, rows):
+        head = heads[i]
+        feature = feature.to(next(head.parameters()).dtype)  # a bf16 backbone's features, for fp32 heads
+        if mode == "inference":
+            with torch.no_grad():
+                head.sample(feature, state[rows])
+            return
+        loss, _ = head.loss(feature, state[rows], actions[rows], mask[rows])
+        loss.backward()
+        if optimizers:
+            optimizers[i].step()
+            optimizers[i].zero_grad(set_to_none=True)
+
+    return work
+
+
+def plain_optimizers(heads: list, lr: float = 1e-4) -> list:
+    """A plain torch AdamW per head: the optimizer step every tenant of a train cell takes, done
+    without vlamux (the heads' parameters move a little; the timings do not depend on their values)."""
+    return [torch.optim.AdamW(h.parameters(), lr=lr) for h in heads]
+
+
 def plain_model(backbone, heads: list, b: int, mode: str, profile) -> dict[str, Callable[[], None]]:
     """The limit of grouping, measured apart from vlamux's group path: the plain model (the backbone,
     then each head on its own rows) on one dense batch of len(heads) * b rows of a single shape
     (`profile`'s, no padding), against one (backbone, head) call of b rows per head. mode "inference"
-    samples, "train" takes each head's loss and its backward. Contenders for `interleaved_medians`:
+    samples; "train" takes each head's loss, its backward and its optimizer step (a plain AdamW), as
+    the contenders take every tenant's. Contenders for `interleaved_medians`:
     limit = dense_split / dense_one."""
+    import copy
+
     from vlamux.synthetic import make_batch
 
+    heads = [copy.deepcopy(h) for h in heads]  # the limit's own modules: nothing of the contenders' moves
     n = len(heads)
     g = torch.Generator().manual_seed(7)
     obs, actions = make_batch(profile, n * b, g)
@@ -167,30 +200,21 @@ def plain_model(backbone, heads: list, b: int, mode: str, profile) -> dict[str, 
     parts = [backbone.prepare(make_batch(profile, b, g)[0]) for _ in range(n)]  # the same shape, b rows each
     dev = backbone.device
     state = torch.randn(n * b, profile.state_dim, generator=g).to(dev)
-    acts = actions.to(dev)
-    mask = torch.ones(n * b, acts.shape[1], dtype=torch.bool, device=dev)
-
-    def head_work(head, feature, rows):
-        feature = feature.to(next(head.parameters()).dtype)  # a bf16 backbone's features, for fp32 heads
-        if mode == "inference":
-            with torch.no_grad():
-                head.sample(feature, state[rows])
-        else:
-            loss, _ = head.loss(feature, state[rows], acts[rows], mask[rows])
-            loss.backward()
+    head_work = plain_heads(heads, mode, state, actions.to(dev),
+                            plain_optimizers(heads) if mode == "train" else None)
 
     def one():
         with torch.no_grad():
             f = backbone(dense)
-        for i, head in enumerate(heads):
+        for i in range(n):
             rows = slice(i * b, (i + 1) * b)
-            head_work(head, f.select(rows), rows)
+            head_work(i, f.select(rows), rows)
 
     def split():
-        for i, head in enumerate(heads):
+        for i in range(n):
             with torch.no_grad():
                 f = backbone(parts[i])
-            head_work(head, f, slice(i * b, (i + 1) * b))
+            head_work(i, f, slice(i * b, (i + 1) * b))
 
     return {"dense_one": one, "dense_split": split}
 

@@ -315,9 +315,17 @@ class Slot:
             loss = float(out["loss"])
             what = f"loss is {loss}" if not math.isfinite(loss) else "gradient has NaN or infinite values"
             raise NonFiniteError(f"tenant {self.tenant!r}: {what}")
+        held, adds = [], []
         for p, g in zip(self.params, pending.grads):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad.add_(g)
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                held.append(p.grad)
+                adds.append(g)
+        if held:  # accumulating over micro-batches: one call for all the head's parameters
+            torch._foreach_add_(held, adds)
         self.accumulated += 1
         return {k: float(v) if isinstance(v, Tensor) and v.dim() == 0 else v for k, v in out.items()}
 
