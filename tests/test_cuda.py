@@ -46,6 +46,17 @@ def test_each_service_has_its_own_stream(runtime):
     assert torch.cuda.default_stream().cuda_stream not in streams
 
 
+def test_inference_streams_are_scheduled_before_training(runtime):
+    """Inference lanes' streams have a higher CUDA priority (a lower number) than training's; the
+    training engine's thread keeps its OS priority on CUDA (the stream priority is the mechanism)."""
+    import os
+
+    train = runtime.training.runner.lane
+    infer = [s.runner.lane for s in runtime.replicas.values()]
+    assert all(lane.stream.priority < train.stream.priority for lane in infer)
+    assert os.getpriority(os.PRIO_PROCESS, runtime.training._thread.native_id) == os.getpriority(os.PRIO_PROCESS, 0)
+
+
 def test_outputs_leave_the_services_on_the_host(runtime):
     runtime.create_slot("host", HEAD, OptimizerSpec(lr=1e-4)).result(60)
     assert runtime.publisher.flush(10)

@@ -7,6 +7,13 @@ Inference Model Service overlap on one GPU instead of serialising on the default
 second stream for the control plane's weight copies, and a clock that times work on the stream
 with CUDA events, never with a device-wide synchronize.
 
+Lanes have a priority: the Inference Model Service's is "high" (the simulators wait on its answers),
+the Training Model Service's "low" (throughput work that can wait a few milliseconds). On CUDA that
+is the lane's stream priority, so an inference kernel is scheduled ahead of training's queued ones
+on a shared GPU; on a CPU, the low lane's engine thread lowers its own scheduling priority (nice),
+so where both services share cores the OS runs inference first. Raising a priority needs privileges
+a service does not have; lowering one never does.
+
 The data plane's rule: tensors enter the device from pinned host memory with non-blocking copies
 (`to_device`), and every tensor that leaves a model service is on the host (`Lane.to_host`, one
 wait on this lane's stream per group). On a CPU all of it degrades to plain calls.
@@ -15,10 +22,19 @@ wait on this lane's stream per group). On a CPU all of it degrades to plain call
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import threading
 import time
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+PRIORITIES = ("high", "normal", "low")
+CUDA_STREAM_PRIORITY = {"high": -1, "normal": 0, "low": 0}  # lower is served first; 0 is CUDA's least
+LOW_NICE = 10  # a low lane's thread: at nice +10 the OS gives a runnable nice-0 thread ~90% of a core
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
@@ -117,15 +133,35 @@ def to_cpu(tree):
 class Lane:
     """One model service's device, precision and CUDA streams (see the module docstring)."""
 
-    def __init__(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 priority: str = "normal"):
+        if priority not in PRIORITIES:
+            raise ValueError(f"lane priority: one of {', '.join(PRIORITIES)}; got {priority!r}")
         self.device = torch.device(device)
         self.dtype = dtype
+        self.priority = priority
         self.cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        level = CUDA_STREAM_PRIORITY[priority]
+        self.stream = torch.cuda.Stream(self.device, priority=level) if self.cuda else None
+        self.copy_stream = torch.cuda.Stream(self.device, priority=level) if self.cuda else None
 
     def __repr__(self) -> str:
-        return f"Lane({self.device}, {dtype_name(self.dtype)})"
+        return f"Lane({self.device}, {dtype_name(self.dtype)}, {self.priority})"
+
+    def claim_thread(self) -> int | None:
+        """The calling thread runs this lane's work from now on (a service's engine thread): on a CPU,
+        a low lane's thread lowers its scheduling priority by LOW_NICE. Returns the thread's nice
+        value after (None where nothing changed)."""
+        if self.cuda or self.priority != "low" or not hasattr(os, "setpriority"):
+            return None
+        tid = threading.get_native_id()
+        try:
+            nice = min(19, os.getpriority(os.PRIO_PROCESS, tid) + LOW_NICE)
+            os.setpriority(os.PRIO_PROCESS, tid, nice)  # Linux: a thread id names that thread alone
+        except OSError as e:
+            log.warning("lane %s: could not lower the engine thread's priority: %s", self, e)
+            return None
+        return nice
 
     # ---- where work runs ----------------------------------------------------------------------------
     @contextlib.contextmanager

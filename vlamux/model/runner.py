@@ -68,7 +68,7 @@ class _Round:
 
 class ModelRunner:
     def __init__(self, backbones: Backbone | list[Backbone], max_group_rows: int | None = None,
-                 fuse_heads: bool = True):
+                 fuse_heads: bool = True, priority: str = "normal"):
         backbones = [backbones] if isinstance(backbones, Backbone) else list(backbones)
         if not backbones:
             raise ValueError("a model runner needs at least one backbone")
@@ -79,7 +79,7 @@ class ModelRunner:
         self.max_group_rows = max_group_rows
         self.group_curves: dict[str, GroupCurve] = {}  # learned caps, per backbone (`calibrate`)
         self.slots: dict[str, Slot] = {}
-        self.lane = Lane(backbones[0].device, backbones[0].dtype)
+        self.lane = Lane(backbones[0].device, backbones[0].dtype, priority)  # vlamux.model.device
         self.pools = MemoryPools(backbones[0].device)  # this runner's (its service's) rollout pool
         self.fused = FusedHeads() if fuse_heads else None
         # adapter tenants' training calls: how many, and the activations their backward kept

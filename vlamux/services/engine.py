@@ -25,6 +25,7 @@ class EngineLoop:
     _calibration: Future | None = None
 
     def _loop(self) -> None:
+        self.runner.lane.claim_thread()  # a low lane (training) yields shared cores to a high one
         while self._running:
             self.heartbeat = time.monotonic()
             try:
@@ -77,7 +78,8 @@ class EngineLoop:
         lane = self.runner.lane
         return {"queue": self.queue.metrics(), "utilization": self.accounting.utilization(),
                 "busy_s": self.accounting.busy_s, "tenants": len(self.runner.slots),
-                "device": str(lane.device), "dtype": dtype_name(lane.dtype), "fuse_heads": self.runner.fuse_heads,
+                "device": str(lane.device), "dtype": dtype_name(lane.dtype), "priority": lane.priority,
+                "fuse_heads": self.runner.fuse_heads,
                 "fused_calls": self.runner.fused.calls if self.runner.fused is not None else 0,
                 "memory": self.runner.pools.stats(), "adapters": dict(self.runner.adapter_stats),
                 "group_caps": {bid: c.describe() for bid, c in self.runner.group_curves.items()},

@@ -33,10 +33,11 @@ class _Predict:
 class InferenceModelService(EngineLoop):
     def __init__(self, backbone: Backbone | list[Backbone], queue: InferenceQueueConfig | None = None,
                  name: str = "inference-0", fuse_heads: bool = True, group_cap: str | None = None,
-                 group_budget_s: float | None = None):
+                 group_budget_s: float | None = None, priority: str = "high"):
         self.name = name
         self.group_cap, self.group_budget_s = group_cap, group_budget_s
-        self.runner = ModelRunner(backbone, fuse_heads=fuse_heads)  # every backbone the replica serves
+        # every backbone the replica serves; "high": simulators wait on its answers (model.device)
+        self.runner = ModelRunner(backbone, fuse_heads=fuse_heads, priority=priority)
         self.backbone = self.runner.backbones[self.runner.default_backbone]
         self.queue = InferenceQueue(queue)
         self.accounting = Accounting()

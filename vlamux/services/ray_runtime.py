@@ -75,11 +75,11 @@ class _Actor:
 class InferenceActor(_Actor):
     def __init__(self, backbones: dict[str, BackboneSpec], queue: InferenceQueueConfig, name: str,
                  device: str = "auto", torch_threads: int | None = None, dtype: str = "auto", fuse_heads: bool = True,
-                 group_cap: str | None = None, group_budget_s: float | None = None):
+                 group_cap: str | None = None, group_budget_s: float | None = None, priority: str = "high"):
         self._init(torch_threads)
         self.svc = InferenceModelService(list(placed_backbones(backbones, device, dtype).values()), queue, name,
                                          fuse_heads=fuse_heads, group_cap=group_cap,
-                                         group_budget_s=group_budget_s).start()
+                                         group_budget_s=group_budget_s, priority=priority).start()
 
     def stage_policy(self, snap: PolicySnapshot) -> None:
         self.svc.stage_policy(snap)
@@ -107,7 +107,8 @@ class InferenceActor(_Actor):
 class TrainingActor(_Actor):
     def __init__(self, backbones: dict[str, BackboneSpec], max_staleness: int | None, max_group_rows: int | None,
                  device: str = "auto", torch_threads: int | None = None, dtype: str = "auto",
-                 fuse_heads: bool = True, group_cap: str | None = None, group_budget_s: float | None = None):
+                 fuse_heads: bool = True, group_cap: str | None = None, group_budget_s: float | None = None,
+                 priority: str = "low"):
         self._init(torch_threads)
         self.publisher = PolicyPublisher()
         self.publisher.start()
@@ -116,7 +117,7 @@ class TrainingActor(_Actor):
         self.backbones = placed_backbones(backbones, device, dtype)
         self.svc = TrainingModelService(list(self.backbones.values()), self.publisher, max_staleness,
                                         max_group_rows, fuse_heads=fuse_heads, group_cap=group_cap,
-                                        group_budget_s=group_budget_s).start()
+                                        group_budget_s=group_budget_s, priority=priority).start()
 
     def subscribe(self, name: str, replica) -> None:
         """New versions go to `replica` from now on, and every tenant's current one goes now: a new or
@@ -305,7 +306,7 @@ class RayRuntime:
         c = self.config
         self.training = self._actor(TrainingActor, c.training_actor).remote(
             c.named_backbones(), c.max_staleness, c.max_group_rows, c.role_device("training"), c.torch_threads,
-            c.dtype, c.fuse_heads, c.group_cap, c.group_budget_s)
+            c.dtype, c.fuse_heads, c.group_cap, c.group_budget_s, c.lane_priority("training"))
         self._incarnations["training"] = self._ping(self.training)["incarnation"]
         self.health.watch(self._role("training", lambda: self.training, self._restore_training))
         for _ in range(c.environment_replicas):
@@ -524,7 +525,7 @@ class RayRuntime:
         name = f"inference-{index}"
         handle = self._actor(InferenceActor, c.inference_actor, max_concurrency=4096).remote(
             c.named_backbones(), c.inference_queue, name, c.role_device("inference", index), c.torch_threads, c.dtype,
-            c.fuse_heads, c.group_cap, c.group_budget_s)
+            c.fuse_heads, c.group_cap, c.group_budget_s, c.lane_priority("inference"))
         self._incarnations[name] = self._ping(handle)["incarnation"]
         with self._lock:
             self.replicas[name] = handle

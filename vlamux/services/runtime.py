@@ -55,6 +55,9 @@ class RuntimeConfig:
     # None: wherever the OS puts them (today's shared setting).
     service_cpus: tuple[int, ...] | None = None
     env_cpus: tuple[int, ...] | None = None
+    # Inference before training where they share a GPU or cores (vlamux.model.device: stream
+    # priorities on CUDA, the training thread's nice on a CPU); False: the OS's and CUDA's defaults.
+    prioritize_inference: bool = True
     health_interval_s: float = 0.5
     hung_after_s: float = 30.0
     env_check_every_s: float = 5.0
@@ -79,6 +82,12 @@ class RuntimeConfig:
                 raise ValueError(f"runtime config: two backbones are named {name!r}")
             out[name] = spec
         return out
+
+    def lane_priority(self, role: str) -> str:
+        """A model service's lane priority: "training" low and "inference" high, or both "normal"."""
+        if not self.prioritize_inference:
+            return "normal"
+        return {"training": "low", "inference": "high"}[role]
 
     def role_device(self, role: str, index: int = 0) -> str:
         """The device a role is placed on: "training" or "inference" (replica `index`), unresolved."""
@@ -256,7 +265,8 @@ class EmbeddedRuntime:
         held = list(self._backbones_on(self.config.role_device("training")).values())
         return TrainingModelService(held, self.publisher, self.config.max_staleness,
                                     self.config.max_group_rows, fuse_heads=self.config.fuse_heads,
-                                    group_cap=self.config.group_cap, group_budget_s=self.config.group_budget_s)
+                                    group_cap=self.config.group_cap, group_budget_s=self.config.group_budget_s,
+                                    priority=self.config.lane_priority("training"))
 
     def _restart_training(self) -> None:
         """Rebuild the training role; each tenant comes back from its last checkpoint, else from its
@@ -299,7 +309,8 @@ class EmbeddedRuntime:
     def _start_replica(self, name: str) -> InferenceModelService:
         svc = InferenceModelService(list(self._backbones_on(self._devices[name]).values()),
                                     self.config.inference_queue, name, fuse_heads=self.config.fuse_heads,
-                                    group_cap=self.config.group_cap, group_budget_s=self.config.group_budget_s)
+                                    group_cap=self.config.group_cap, group_budget_s=self.config.group_budget_s,
+                                    priority=self.config.lane_priority("inference"))
         self.publisher.subscribe(name, svc.stage_policy)
         for snap in list(self.latest.values()):  # it serves every tenant from its newest version on
             svc.stage_policy(snap)
