@@ -51,11 +51,12 @@ def lane_counters(rt: EmbeddedRuntime) -> dict:
 
 
 def make_runtime(kind: str, preset: str, batch_rows: int, threads: int, device: str = "auto", dtype: str = "auto",
-                 split: bool = False):
+                 split: bool = False, prioritize: bool = True):
     """The services in this process (embedded), or as Ray actors in processes of their own. split: the
-    model services on their cores, the simulator workers on the others (`split_cores`; embedded only)."""
+    model services on their cores, the simulator workers on the others (`split_cores`; embedded only).
+    prioritize: inference before training where they share cores (RuntimeConfig.prioritize_inference)."""
     queue = InferenceQueueConfig(batch_rows=batch_rows, max_wait_s=0.005)
-    place = {"backbone": spec_from_arg(preset), "device": device, "dtype": dtype}
+    place = {"backbone": spec_from_arg(preset), "device": device, "dtype": dtype, "prioritize_inference": prioritize}
     if kind == "embedded":
         return EmbeddedRuntime(RuntimeConfig(**place, inference_queue=queue, **(split_cores() if split else {}))).start()
     import ray
@@ -151,7 +152,7 @@ def measure(args, split: bool, steps: int, image: int, env, head, cfg, device, d
     """Sync then async on one runtime (shared cores, or split: services on core 0, simulators on core
     1): both modes' figures and the bounds of their speedup from the same run."""
     rt = make_runtime(args.runtime, args.preset, args.batch_rows or args.n_envs, args.threads, str(device),
-                      dtype_name(dtype), split=split)
+                      dtype_name(dtype), split=split, prioritize=not args.no_priority)
     tenants = [f"tenant{i}" for i in range(args.tenants)]
     placement = {k: rt.metrics()["training"][k] for k in ("device", "dtype")}  # as the services run
     print(f"async RL: preset={args.preset}, {args.tenants} tenants x {steps} env steps, {env.task} at {image}px, "
@@ -210,7 +211,7 @@ def measure(args, split: bool, steps: int, image: int, env, head, cfg, device, d
                           "image_size": image, "sub_batches": cfg.sub_batches, "n_envs": cfg.n_envs,
                           "segment_steps": cfg.segment_steps, "max_staleness": cfg.max_staleness,
                           "warm_start_steps": args.warm_start, "lr": cfg.lr or cfg_lr, "epochs": cfg.epochs,
-                          "runtime": args.runtime},
+                          "runtime": args.runtime, "prioritize_inference": not args.no_priority},
                "environment": environment(device, dtype), "memory": pools.last,
                "placement": {**placement, **({k: list(v) for k, v in split_cores().items()} if split
                                              else {"cores": "shared"})}}
@@ -244,6 +245,8 @@ def main(argv=None) -> int:
                     help="shared cores, the papers' split (services on a quarter of the cores, simulators on the "
                          "rest: one each on two), or both in one "
                          "run (the split's figures go in the result's `split` section)")
+    ap.add_argument("--no-priority", action="store_true",
+                    help="inference and training at the same OS/CUDA priority (default: inference first)")
     ap.add_argument("--out", default=None)
     add_device_arguments(ap)
     args = ap.parse_args(argv)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from vlamux.model import BackboneSpec
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
@@ -31,8 +32,65 @@ def test_services_and_simulators_run_on_their_own_cores():
     assert os.sched_getaffinity(0) == before  # the caller gets its cores back
 
 
+@pytest.mark.skipif(len(CORES) < 2, reason="needs two cores to split")
+def test_datasets_decode_on_the_simulators_cores(tmp_path):
+    """In the split, an SFT batch is read and decoded on the simulators' cores (the caller, on the
+    services' cores, waits for it); the batches are the same as without a split."""
+    from vlamux.data.demos import generate
+
+    root = tmp_path / "d"
+    generate(["goal/touch-red-cube"], 2, root, image_size=32, workers=1, progress=None)
+    cams = {"observation.images.agentview": "agentview", "observation.images.wrist": "wrist"}
+    services, sims = (CORES[0],), (CORES[1],)
+    batches = {}
+    for split in (False, True):
+        cfg = RuntimeConfig(backbone=BackboneSpec(preset="tiny"), group_cap=None,
+                            **({"service_cpus": services, "env_cpus": sims} if split else {}))
+        with EmbeddedRuntime(cfg) as rt:
+            env = rt.environment
+            did = env.open_dataset("acme", root, horizon=4, batch_size=8, camera_map=cams, seed=0)
+            batches[split] = [env.sample("acme", did) for _ in range(3)]
+            if split:
+                assert env._decode(lambda: os.sched_getaffinity(0)) == set(sims)
+                assert os.sched_getaffinity(0) == set(services)  # the caller stays where it was
+            else:
+                assert env._data_threads is None
+    for (obs_a, act_a, mask_a), (obs_b, act_b, mask_b) in zip(batches[False], batches[True]):
+        assert torch.equal(act_a, act_b) and torch.equal(mask_a, mask_b)
+        assert all(torch.equal(obs_a.images[k], obs_b.images[k]) for k in obs_a.images)
+
+
 def test_core_lists_are_checked():
     with pytest.raises(ValueError, match="service_cpus: cores \\[4096\\] are not available"):
         RuntimeConfig(service_cpus=(4096,))
     with pytest.raises(ValueError, match="env_cpus: a non-empty list"):
         RuntimeConfig(env_cpus=(-1,))
+
+
+def _nice(thread) -> int:
+    return os.getpriority(os.PRIO_PROCESS, thread.native_id)
+
+
+@pytest.mark.parametrize("prioritize", [True, False])
+def test_training_yields_shared_cores_to_inference(prioritize):
+    """On a CPU the training engine's thread runs at a lower OS priority than inference's (which the
+    simulators wait on); prioritize_inference=False leaves both at the process's own."""
+    from vlamux.model.device import LOW_NICE
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    cfg = RuntimeConfig(backbone=BackboneSpec(preset="tiny"), group_cap=None, prioritize_inference=prioritize)
+    with EmbeddedRuntime(cfg) as rt:
+        train, infer = rt.training, rt.replicas[next(iter(rt.replicas))]
+        assert train.runner.lane.priority == ("low" if prioritize else "normal")
+        assert infer.runner.lane.priority == ("high" if prioritize else "normal")
+        assert _nice(train._thread) == (min(19, base + LOW_NICE) if prioritize else base)
+        assert _nice(infer._thread) == base
+        assert rt.metrics()["training"]["priority"] == train.runner.lane.priority
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller's own thread is untouched
+
+
+def test_lane_priority_is_checked():
+    from vlamux.model.device import Lane
+
+    with pytest.raises(ValueError, match="lane priority: one of high, normal, low; got 'urgent'"):
+        Lane("cpu", priority="urgent")

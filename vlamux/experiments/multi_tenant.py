@@ -100,16 +100,18 @@ def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny
     env_cpus (None: shared cores)."""
     workdir = Path(workdir) / (label or mode)
     results, walls, busy, placed = {}, [], {"training": 0.0, "inference": 0.0}, {}
+    process_cpu = 0.0  # this process's CPU time while jobs ran (the simulators are child processes)
     groups = [[s] for s in specs] if mode == "isolated" else [specs]
     t_all = time.monotonic()
     for group in groups:
         rt = _runtime(backbone, device, dtype, placement)
         try:
             master = MasterService(rt, workdir)
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), time.process_time()
             jobs = [master.submit(s) for s in group]
             _watch(jobs, on_tick, timeout_s)
             walls.append(time.monotonic() - t0)
+            process_cpu += time.process_time() - cpu0
             busy["training"] += rt.training.accounting.busy_s
             placed = {k: rt.training.metrics()[k] for k in ("device", "dtype")}  # as the service runs
             busy["inference"] += sum(r.accounting.busy_s for r in rt.replicas.values())
@@ -122,7 +124,7 @@ def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny
     wall = sum(walls)
     return {"mode": mode, **placed, "wall_s": wall, "elapsed_s": time.monotonic() - t_all,
             "train_util": busy["training"] / wall, "infer_util": busy["inference"] / wall,
-            "busy_s": busy, "jobs": results}
+            "busy_s": busy, "process_cpu_s": process_cpu, "jobs": results}
 
 
 def _runtime(backbone: str, device: str = "auto", dtype: str = "auto", placement: dict | None = None

@@ -235,6 +235,7 @@ class EnvironmentService:
         self._factory = vector_env_factory
         self.render_devices = _devices(render_devices)
         self.worker_cpus = tuple(worker_cpus) if worker_cpus else None  # the simulators' cores (placement)
+        self._data_threads = None  # with worker_cpus: datasets decode there too, not on the callers' cores
         self._next_device = 0  # round-robin position in render_devices
         self.name = name
         self._id_prefix = f"{name}." if name else ""  # a runtime with several replicas routes an id by it
@@ -499,12 +500,28 @@ class EnvironmentService:
                     d.epoch += 1
                 d.order, d.next_batch = sampler.order(d.epoch), 0
             b, bs = d.next_batch, sampler.batch_size
-            batch = sampler.batch(d.order[b * bs:(b + 1) * bs])
+            batch = self._decode(sampler.batch, d.order[b * bs:(b + 1) * bs])
             d.next_batch += 1
             self._count(d, samples=batch[0].batch_size, sample_calls=1, sample_s=time.perf_counter() - t0)
             return batch
         finally:
             self._release(d)
+
+    def _decode(self, fn, *args):
+        """Run a dataset's reading and decoding: on the simulators' cores where the service has them
+        (the papers' split keeps data work off the model services' cores; the caller waits as before)."""
+        if self.worker_cpus is None:
+            return fn(*args)
+        with self._lock:
+            if self._data_threads is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                from vlamux.utils.placement import pin_self
+
+                self._data_threads = ThreadPoolExecutor(2, "vlamux-env-data", initializer=pin_self,
+                                                        initargs=(self.worker_cpus,))
+            pool = self._data_threads
+        return pool.submit(fn, *args).result()
 
     def dataset_stats(self, tenant: str, dataset_id: str, mode: str = "mean_std") -> dict:
         """{"action": NormStats, "state": NormStats | None}: the dataset's statistics, private copies."""
@@ -669,7 +686,10 @@ class EnvironmentService:
             handles: list[_Session | _Dataset] = [*self._sessions.values(), *self._datasets.values()]
             self._sessions.clear()
             self._datasets.clear()
+            pool, self._data_threads = self._data_threads, None
         self.stop()
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
         def shut(h):
             got = h.lock.acquire(timeout=min(h.wait_bound_s, timeout_s))  # let a running call finish

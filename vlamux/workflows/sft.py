@@ -84,17 +84,23 @@ class SFTRun:
         if self.dataset_id is None:
             self.open()
         self.stats.step = start_step
+        def batches() -> list:
+            return [env.sample(self.tenant, self.dataset_id) for _ in range(cfg.grad_accum)]
+
         try:
+            ready = batches() if self.stats.step < cfg.steps else []
             while self.stats.step < cfg.steps:
                 lr = self.lr_at(self.stats.step)
                 if lr is not None:
                     self.services.set_lr(self.tenant, lr)  # queued: applies before this step's update
                 futures = []
-                for _ in range(cfg.grad_accum):
-                    obs, actions, mask = env.sample(self.tenant, self.dataset_id)
+                for obs, actions, mask in ready:
                     futures.append(self.services.forward_backward(self.tenant, obs, actions, mask))
                     self.stats.samples += obs.batch_size
                 step = self.services.optim_step(self.tenant)  # queued behind them: runs in order
+                # the next step's batches load while the services run this one; nothing of them is
+                # submitted before on_step (checkpoints there hold exactly this step's state)
+                ready = batches() if self.stats.step + 1 < cfg.steps else []
                 loss = sum(f.result(cfg.timeout_s)["loss"] for f in futures) / len(futures)
                 self.stats.version = step.result(cfg.timeout_s)["policy_version"]
                 self.stats.step += 1
