@@ -17,6 +17,12 @@ def test_every_table_number_in_the_results_doc_has_a_source():
     assert check() == []
 
 
+def test_the_readme_tables_that_name_a_result_file_hold_its_numbers():
+    from check_results import README
+
+    assert check(README, require_source=False) == []
+
+
 def test_the_check_finds_a_number_no_result_file_holds(tmp_path, monkeypatch):
     import check_results
 
