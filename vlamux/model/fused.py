@@ -151,7 +151,9 @@ class FusedHeads:
         if present:
             # a norm is one pass (isfinite takes four), non-finite where an entry is, or where the gradient
             # is so large that its norm overflows: no step could use that one either
-            norms = torch.stack([torch.linalg.vector_norm(g.reshape(n, -1), dim=1) for g in present])
+            # (over each tenant's slice in place: a stacked weight's gradient is a transposed view, and
+            # flattening it first would copy it)
+            norms = torch.stack([torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim()))) for g in present])
             finite = finite & norms.isfinite().all(0)
         out = []
         for i, (loss_i, metrics_i, extra_i) in enumerate(per):
