@@ -72,13 +72,15 @@ def _nice(thread) -> int:
 
 
 @pytest.mark.parametrize("prioritize", [True, False])
-def test_training_yields_shared_cores_to_inference(prioritize):
-    """On a CPU the training engine's thread runs at a lower OS priority than inference's (which the
-    simulators wait on); prioritize_inference=False leaves both at the process's own."""
+def test_training_yields_the_services_cores_to_inference(prioritize):
+    """With cores of their own, the training engine's thread runs at a lower OS priority than
+    inference's (which the simulators wait on); prioritize_inference=False leaves both at the
+    process's own."""
     from vlamux.model.device import LOW_NICE
 
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    cfg = RuntimeConfig(backbone=BackboneSpec(preset="tiny"), group_cap=None, prioritize_inference=prioritize)
+    cfg = RuntimeConfig(backbone=BackboneSpec(preset="tiny"), group_cap=None, prioritize_inference=prioritize,
+                        service_cpus=tuple(CORES))
     with EmbeddedRuntime(cfg) as rt:
         train, infer = rt.training, rt.replicas[next(iter(rt.replicas))]
         assert train.runner.lane.priority == ("low" if prioritize else "normal")
@@ -87,6 +89,15 @@ def test_training_yields_shared_cores_to_inference(prioritize):
         assert _nice(infer._thread) == base
         assert rt.metrics()["training"]["priority"] == train.runner.lane.priority
     assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the caller's own thread is untouched
+
+
+def test_training_keeps_its_share_on_cores_the_simulators_share():
+    """Without cores of their own (the shared setting, on a CPU), training stays at the OS's fair
+    share: at a lower priority it would yield to every busy simulator."""
+    cfg = RuntimeConfig(backbone=BackboneSpec(preset="tiny"), group_cap=None, device="cpu")
+    with EmbeddedRuntime(cfg) as rt:
+        assert rt.training.runner.lane.priority == "normal"
+        assert _nice(rt.training._thread) == os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def test_lane_priority_is_checked():

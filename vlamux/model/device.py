@@ -8,7 +8,8 @@ second stream for the control plane's weight copies, and a clock that times work
 with CUDA events, never with a device-wide synchronize.
 
 Lanes have a priority: the Inference Model Service's is "high" (the simulators wait on its answers),
-the Training Model Service's "low" (throughput work that can wait a few milliseconds). On CUDA that
+the Training Model Service's "low" where it shares a GPU or the services' own cores with inference
+(throughput work that can wait a few milliseconds; RuntimeConfig.lane_priority decides). On CUDA that
 is the lane's stream priority, so an inference kernel is scheduled ahead of training's queued ones
 on a shared GPU; on a CPU, the low lane's engine thread lowers its own scheduling priority (nice),
 so where both services share cores the OS runs inference first. Raising a priority needs privileges

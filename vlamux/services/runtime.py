@@ -55,8 +55,8 @@ class RuntimeConfig:
     # None: wherever the OS puts them (today's shared setting).
     service_cpus: tuple[int, ...] | None = None
     env_cpus: tuple[int, ...] | None = None
-    # Inference before training where they share a GPU or cores (vlamux.model.device: stream
-    # priorities on CUDA, the training thread's nice on a CPU); False: the OS's and CUDA's defaults.
+    # Inference before training where they share a GPU or the services' own cores (vlamux.model.device:
+    # stream priorities on CUDA, the training thread's nice on service_cpus); False: the defaults.
     prioritize_inference: bool = True
     health_interval_s: float = 0.5
     hung_after_s: float = 30.0
@@ -84,10 +84,18 @@ class RuntimeConfig:
         return out
 
     def lane_priority(self, role: str) -> str:
-        """A model service's lane priority: "training" low and "inference" high, or both "normal"."""
+        """A model service's lane priority: inference "high"; training "low" where it shares a GPU,
+        or cores of the services' own (`service_cpus`), with inference; else both "normal". On cores
+        the simulators share too, a low-priority training thread would yield to every simulator and
+        could stall for as long as they keep the cores busy: there the OS's fair share stays."""
         if not self.prioritize_inference:
             return "normal"
-        return {"training": "low", "inference": "high"}[role]
+        if role == "inference":
+            return "high"
+        from vlamux.model.device import resolve_device
+
+        own_cores = self.service_cpus is not None
+        return "low" if own_cores or resolve_device(self.role_device("training")).type == "cuda" else "normal"
 
     def role_device(self, role: str, index: int = 0) -> str:
         """The device a role is placed on: "training" or "inference" (replica `index`), unresolved."""
