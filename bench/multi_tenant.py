@@ -127,7 +127,9 @@ def summarize(rows: dict, budget, device, dtype, pools, setting: str) -> dict:
                "service_cores_idle_isolated": cores_idle,
                "process_cpu_s": {m: r["process_cpu_s"] for m, r in rows.items()},
                # a service is at most busy all the time: the ratio cannot pass 1 / its isolated utilisation
-               "train_util_ratio_bound": 1.0 / max(iso["train_util"], 1e-9)}
+               "train_util_ratio_bound": 1.0 / max(iso["train_util"], 1e-9),
+               "train_util_ratio_of_bound": train_ratio * max(iso["train_util"], 1e-9),
+               "reduction_of_idle": reduction / max(idle_fraction, 1e-9)}
     return payload
 
 
