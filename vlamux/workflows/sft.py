@@ -84,6 +84,7 @@ class SFTRun:
         if self.dataset_id is None:
             self.open()
         self.stats.step = start_step
+
         def batches() -> list:
             return [env.sample(self.tenant, self.dataset_id) for _ in range(cfg.grad_accum)]
 
