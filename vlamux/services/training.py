@@ -55,6 +55,15 @@ class TrainingModelService(EngineLoop):
         self.queue = TrainingQueue(self.version, max_staleness, max_group_rows)
         self.accounting = Accounting()
 
+    def start(self):
+        # A process's first torch optimizer imports torch._dynamo (about a second on a CPU): made here,
+        # before the engine's heartbeat counts, not inside the first tenant's create_slot, where the
+        # Health Manager would see a silent engine
+        import torch
+
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+        return super().start()
+
     # ---- operations (each returns a future; one tenant's run in submission order) -----------------
     def create_slot(self, tenant: str, head_spec: HeadSpec, optim: OptimizerSpec | None = None, seed: int = 0,
                     stats: dict[str, NormStats] | None = None, backbone_id: str | None = None) -> Future:
