@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 # Where this machine keeps a CPU build of torch on disk, use it; elsewhere pip takes torch from the index.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 TORCH_PIN ?= torch==2.13.0
+# No pip cache: the set-up writes about 4.5 GB into the venv, and a cache would hold the same wheels
+# again (CI's disk is not always that large).
+export PIP_NO_CACHE_DIR := 1
 
 .PHONY: setup libero demo test bench bench-quick plots clean
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import socket
 import sys
 import tempfile
@@ -195,6 +196,7 @@ def noisy_neighbour(args, device, dtype) -> int:
         flooded = q.get(timeout=30) if not q.empty() else {}
     finally:
         stop(proc)
+        shutil.rmtree(data_dir, ignore_errors=True)
     errors = [e for _, errs in results.values() for e in errs] + light_errors
     errors_5xx = sum(1 for e in errors if re.search(r"\b5\d\d\b|ServerError|ServiceUnavailable", e))
     errors_5xx += sum(v for k, v in flooded.items() if isinstance(k, int) and k >= 500)
@@ -394,6 +396,7 @@ def main(argv=None) -> int:
     finally:
         rss.stop_event.set()
         stop(proc)
+        shutil.rmtree(data_dir, ignore_errors=True)  # the tenants' checkpoints: about 1 GB in a full run
         if big is not None:
             big.unlink(missing_ok=True)
     per_kind: dict[str, list[float]] = {}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -159,6 +160,7 @@ def measure(args, split: bool, steps: int, image: int, env, head, cfg, device, d
           f"{cfg.sub_batches} sub-batches x {cfg.n_envs} envs, threads={torch.get_num_threads()}, "
           f"model services on {device} ({dtype_name(dtype)}), "
           f"{'split: ' + str(split_cores()) if split else 'shared cores'}", flush=True)
+    tmp = None
     try:
         warm = None
         if args.warm_start:
@@ -176,6 +178,8 @@ def measure(args, split: bool, steps: int, image: int, env, head, cfg, device, d
                       + ", ".join(f"{k} {v:.1f}s" for k, v in r["lane_busy_s"].items()), flush=True)
     finally:
         rt.stop()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if args.runtime == "ray":
             import ray
 

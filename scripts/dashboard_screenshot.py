@@ -12,6 +12,7 @@ admin key and saves a full-page screenshot of each. About two minutes on a 2-cor
 from __future__ import annotations
 
 import argparse
+import shutil
 import socket
 import tempfile
 import threading
@@ -139,6 +140,7 @@ def main() -> None:
     finally:
         server.should_exit = True
         host.stop()
+        shutil.rmtree(data, ignore_errors=True)
 
 
 if __name__ == "__main__":

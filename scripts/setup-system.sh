@@ -4,6 +4,11 @@
 # tests/test_dashboard.py drives the web dashboard headless; Debian's PostgreSQL server, which the tests
 # start on loopback to run the store against it (tests/postgres.py).
 set -euo pipefail
+# The venv with every extra and LIBERO is about 4.5 GB; say so up front rather than in a pip traceback.
+free_gb="$(df -P -BG . | awk 'NR == 2 { sub("G", "", $4); print $4 }')"
+if [ -n "$free_gb" ] && [ "$free_gb" -lt 6 ]; then
+  echo "vlamux set-up: warning: ${free_gb} GB free on $(pwd)'s disk; the set-up needs about 5 GB (the venv, LIBERO's assets)" >&2
+fi
 missing=()
 for pkg in libosmesa6 libgl1 libegl1 libvulkan1 mesa-vulkan-drivers chromium chromium-driver postgresql; do
   dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
@@ -15,3 +20,4 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 apt-get update -qq
 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+apt-get clean  # the downloaded .debs (a few hundred MB with Chromium) are not needed once installed

@@ -5,6 +5,7 @@ The benchmarks async_rl and multi_tenant are checked the same way by the device 
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -112,13 +113,23 @@ def test_benchmarks_build_their_models_as_asked(tmp_path, script, argv):
         assert cells and all(c["dtype"] == "bfloat16" for c in cells)
 
 
-def test_api_load_benchmark_reads_the_servers_placement(tmp_path):
+def _private_tempdir(tmp_path, monkeypatch):
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    return scratch
+
+
+def test_api_load_benchmark_reads_the_servers_placement(tmp_path, monkeypatch):
+    """...and leaves nothing in the temp dir (a full run's server data dir is about 1 GB)."""
     import api_load
 
+    scratch = _private_tempdir(tmp_path, monkeypatch)
     out = tmp_path / "api_load.json"
     api_load.main(["--clients", "1", "--seconds", "1", "--device", "cpu", "--dtype", "bfloat16", "--out", str(out)])
     placement = json.loads(out.read_text())["placement"]
     assert placement["training"] == {"device": "cpu", "dtype": "bfloat16"}
+    assert not list(scratch.iterdir())
 
 
 def test_env_throughput_takes_a_render_device_instead():
@@ -130,11 +141,12 @@ def test_env_throughput_takes_a_render_device_instead():
     assert env_throughput.measure(spec.__class__(task=spec.task, image_size=32), 1, 1, 0.3, render_device=0) > 0
 
 
-def test_api_load_noisy_neighbour_reports_both_windows_and_the_flooders_refusals(tmp_path):
+def test_api_load_noisy_neighbour_reports_both_windows_and_the_flooders_refusals(tmp_path, monkeypatch):
     """A smoke run of `bench/api_load.py --noisy-neighbour` (2 clients, 2 s windows): every field the
     issue names is written and the flooder met the rate limit. Speed is the benchmark's business."""
     import api_load
 
+    scratch = _private_tempdir(tmp_path, monkeypatch)
     out = tmp_path / "api_noisy.json"
     api_load.main(["--noisy-neighbour", "--clients", "2", "--seconds", "4", "--device", "cpu", "--out", str(out)])
     r = json.loads(out.read_text())
@@ -142,3 +154,4 @@ def test_api_load_noisy_neighbour_reports_both_windows_and_the_flooders_refusals
               "light_p50_ms_with", "light_p50_ms_without", "errors_5xx"):
         assert r[k] is not None, k
     assert r["errors_5xx"] == 0 and r["flooder_answers"].get("429", 0) > 0, r["flooder_answers"]
+    assert not list(scratch.iterdir())
