@@ -53,6 +53,26 @@ def test_measuring_stops_once_bigger_groups_stop_paying():
     assert rows[-1] < 256 and choose_cap(rows, seconds)[0] == 4  # the per-row cost is lowest at 4 rows
 
 
+def test_a_second_start_takes_the_curve_this_process_measured_and_a_request_measures_again():
+    """The probe costs seconds; a runner started again on an equal backbone (a rebuilt one, the same
+    device, precision and cores) takes the curve as it is, one with another budget or precision measures
+    its own, and calibrate(force=True) always measures."""
+    from vlamux.model.device import Lane
+
+    spec = BackboneSpec(preset="tiny", seed=7)
+    first = ModelRunner(build_backbone(spec)).calibrate(0.05, force=False, max_rows=4)
+    bid = build_backbone(spec).backbone_id
+    again = ModelRunner(build_backbone(spec)).calibrate(0.05, force=False, max_rows=4)
+    assert again[bid] is first[bid]
+    other_budget = ModelRunner(build_backbone(spec)).calibrate(0.04, force=False, max_rows=4)
+    assert other_budget[bid] is not first[bid] and other_budget[bid].budget_s == 0.04
+    autocast = ModelRunner(build_backbone(spec))
+    autocast.lane = Lane("cpu", torch.bfloat16)
+    assert autocast.calibrate(0.05, force=False, max_rows=4)[bid] is not first[bid]
+    forced = ModelRunner(build_backbone(spec)).calibrate(0.05, force=True, max_rows=4)
+    assert forced[bid] is not first[bid] and forced[bid].rows == [1, 2, 4]
+
+
 def test_the_runner_splits_groups_at_the_cap_and_outputs_stay_the_same():
     backbone = build_backbone(BackboneSpec(preset="tiny"))
     capped, free = ModelRunner(backbone), ModelRunner(backbone)

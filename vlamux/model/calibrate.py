@@ -13,6 +13,7 @@ group is never slower than its requests run one by one.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -109,10 +110,31 @@ def choose_cap(rows: list[int], seconds: list[float], budget_s: float | None = N
     return cap, f"{cap} rows: {t / cap * 1e3:.2f} ms a row, within {gain:.0%} of the lowest measured{over}"
 
 
-def calibrate(backbone, lane, budget_s: float | None = None, **kw) -> GroupCurve:
+# Curves measured in this process, by what they hold for (`conditions`): a service started again in
+# the same process (the Health Manager's restart, a second runtime) takes its backbone's curve from
+# here instead of probing for seconds again. Measuring on request (`force`) always probes.
+_MEASURED: dict[tuple, GroupCurve] = {}
+
+
+def conditions(backbone, lane, budget_s: float | None) -> tuple:
+    """What a curve holds for: the backbone (its id names its architecture, weights and input size),
+    the device and precision it runs in, the cores and threads torch has, the latency budget."""
+    p = next(backbone.parameters(), torch.empty(0))
+    cpus = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else None
+    return (backbone.backbone_id, backbone.num_parameters(), str(p.device), str(p.dtype), str(lane.dtype),
+            budget_s, torch.get_num_threads(), cpus)
+
+
+def calibrate(backbone, lane, budget_s: float | None = None, reuse: bool = False, **kw) -> GroupCurve:
+    """Measure `backbone`'s curve and choose its cap; reuse=True: a curve this process measured under
+    the same `conditions` is returned as it is."""
+    key = (*conditions(backbone, lane, budget_s), *sorted(kw.items()))
+    if reuse and key in _MEASURED:
+        return _MEASURED[key]
     t0 = time.perf_counter()
     rows, seconds = measure(backbone, lane, **kw)
     cap, reason = choose_cap(rows, seconds, budget_s)
     curve = GroupCurve(backbone.backbone_id, rows, seconds, cap, budget_s, reason)
     curve.measured_in_s = time.perf_counter() - t0
+    _MEASURED[key] = curve
     return curve

@@ -155,21 +155,17 @@ class ModelRunner:
     def calibrate(self, budget_s: float | None = None, force: bool = True, **kw) -> dict[str, GroupCurve]:
         """Measure each backbone's forward time by rows on this runner's device and cap its groups
         where a bigger one stops paying (or passes `budget_s`): `vlamux.model.calibrate`. Call it
-        between groups (the engine thread): it runs forwards of its own. force=False: a curve another
-        runner measured on this same backbone object (the same device) is taken as it is."""
+        between groups (the engine thread): it runs forwards of its own. force=False: a curve this process
+        measured on the same backbone, device, precision and cores is taken as it is."""
         from vlamux.model.calibrate import calibrate
 
         with self.lane.active():
             for bid, backbone in self.backbones.items():
-                known = getattr(backbone, "group_curve", None)
-                if not force and known is not None and known.budget_s == budget_s:
-                    self.group_curves[bid] = known
-                    continue
-                curve = calibrate(backbone, self.lane, budget_s, **kw)
-                backbone.group_curve = curve
-                self.group_curves[bid] = curve
+                curve = calibrate(backbone, self.lane, budget_s, reuse=not force, **kw)
                 log.info("backbone %s: groups capped at %s rows (%s; measured in %.2fs)", bid, curve.cap,
                          curve.reason, curve.measured_in_s)
+                backbone.group_curve = curve
+                self.group_curves[bid] = curve
         return dict(self.group_curves)
 
     def group_caps(self) -> int | dict | None:
