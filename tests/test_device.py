@@ -147,6 +147,7 @@ def test_no_device_wide_synchronize_or_item_on_the_hot_path():
         assert ".numpy()" not in code, rel
 
 
+@pytest.mark.serial
 def test_a_tenants_billed_head_time_excludes_its_group_partners(backbone):
     """Metering: a tenant pays its share of the backbone and its own head, not a partner's head that
     ran beside it in the group (a slow head of another architecture, so not fused)."""

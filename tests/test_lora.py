@@ -97,8 +97,10 @@ def test_grouped_equals_serial_with_mixed_adapters_over_50_steps(setup):
     obs = {t: b[0] for t, b in data(99).items()}
     a = grouped.execute([Sample(t, o, True) for t, o in obs.items()])
     b = serial.execute([Sample(t, o, True) for t, o in obs.items()], grouped=False)
-    for x, y in zip(a, b):
-        assert close(x.output["actions"], y.output["actions"]), x.tenant
+    for x, y in zip(a, b):  # after 50 Adam steps fp32 rounding has grown (1.3e-5 with one torch thread), as in
+        # tests/test_grouping.py's 50-step trajectories
+        diff = (x.output["actions"] - y.output["actions"]).abs().max().item()
+        assert diff <= 1e-4 * max(1.0, y.output["actions"].abs().max().item()), (x.tenant, diff)
 
 
 def test_tenants_without_an_adapter_keep_their_no_grad_path(setup):

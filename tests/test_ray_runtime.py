@@ -24,6 +24,8 @@ from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, OptimizerSpec,
 from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
 from vlamux.services.ray_runtime import RayRuntime, RayRuntimeConfig  # noqa: E402
 
+pytestmark = pytest.mark.serial  # a multi-node cluster's processes, latency and hang bounds
+
 MiB = 1 << 20
 
 
@@ -41,9 +43,12 @@ def cluster():
     c.shutdown()
 
 
-def tiny_config(inference_replicas=2, max_wait_s=0.01, env_node="node_a", **kw) -> RayRuntimeConfig:
-    """The tiny backbone; training on node_a, inference replicas on node_b, the environment on env_node."""
+def tiny_config(inference_replicas=2, max_wait_s=0.01, env_node="node_a", group_cap=None, **kw) -> RayRuntimeConfig:
+    """The tiny backbone; training on node_a, inference replicas on node_b, the environment on env_node.
+    Uncapped groups unless asked: each actor process would probe its backbone for seconds at start
+    (the module's shared runtime `rt` does, as a service does by default)."""
     return RayRuntimeConfig(backbone=BackboneSpec(preset="tiny"), inference_replicas=inference_replicas,
+                            group_cap=group_cap,
                             torch_threads=2, inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=max_wait_s),
                             training_actor={"num_cpus": 0.5, "resources": {"node_a": 0.01}},
                             inference_actor={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
@@ -52,7 +57,8 @@ def tiny_config(inference_replicas=2, max_wait_s=0.01, env_node="node_a", **kw) 
 
 @pytest.fixture(scope="module")
 def rt(cluster):
-    runtime = RayRuntime(tiny_config(env_node="node_b", health_interval_s=0.5, env_check_every_s=0.5)).start()
+    runtime = RayRuntime(tiny_config(env_node="node_b", group_cap="learned", health_interval_s=0.5,
+                                     env_check_every_s=0.5)).start()
     for i, (name, (spec, _)) in enumerate(TENANTS.items()):
         runtime.create_slot(name, spec, OptimizerSpec(lr=1e-3), seed=100 + i).result(120)
     assert runtime.flush(60)
@@ -67,6 +73,9 @@ def test_roles_are_placed_on_their_nodes(rt):
     by_node = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     assert "node_a" in by_node[node(rt.training)]
     assert all("node_b" in by_node[node(h)] for h in rt.replicas.values())
+    # each actor learned its group cap at start, as a service does by default
+    cap = rt.describe_backbones()[0]["group_caps"]["training"]
+    assert cap["rows"] in [r for r, _ in cap["curve"]]
 
 
 def test_concurrent_requests_equal_serial_execution(rt, backbone):

@@ -14,6 +14,8 @@ from vlamux.model import BackboneSpec, OptimizerSpec
 from vlamux.services.queues import InferenceQueueConfig
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
 
+pytestmark = pytest.mark.serial  # a Health Manager that counts an engine silent for 1 s as hung
+
 
 def wait_for(cond, timeout=20.0):
     end = time.monotonic() + timeout

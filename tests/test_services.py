@@ -130,6 +130,7 @@ def test_one_tenants_failure_does_not_disturb_the_others(services):
     assert infer.alive() and train.alive()
 
 
+@pytest.mark.serial
 def test_a_flooding_tenant_at_most_doubles_a_light_tenants_median_wait(backbone):
     """Least-served-first scheduling: a tenant keeping 20 groups' worth of requests queued does not
     push a light tenant's median latency past twice what it is alone (FIFO would be ~20 groups)."""
