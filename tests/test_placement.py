@@ -100,6 +100,18 @@ def test_training_keeps_its_share_on_cores_the_simulators_share():
         assert _nice(rt.training._thread) == os.getpriority(os.PRIO_PROCESS, 0)
 
 
+def test_the_priority_follows_the_device_the_role_runs_on():
+    """One decision for both runtimes: training yields where it shares a GPU or the services' own cores
+    with inference. A Ray actor makes it with the device it resolved itself (the driver may have none)."""
+    from vlamux.services.runtime import lane_priority
+
+    assert lane_priority("training", True, False, torch.device("cuda", 0)) == "low"
+    assert lane_priority("training", True, False, torch.device("cpu")) == "normal"
+    assert lane_priority("training", True, True, torch.device("cpu")) == "low"
+    assert lane_priority("inference", True, False, torch.device("cpu")) == "high"
+    assert {lane_priority(r, False, True, torch.device("cuda", 0)) for r in ("training", "inference")} == {"normal"}
+
+
 def test_lane_priority_is_checked():
     from vlamux.model.device import Lane
 

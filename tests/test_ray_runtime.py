@@ -73,7 +73,11 @@ def test_roles_are_placed_on_their_nodes(rt):
     by_node = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
     assert "node_a" in by_node[node(rt.training)]
     assert all("node_b" in by_node[node(h)] for h in rt.replicas.values())
-    # each actor learned its group cap at start, as a service does by default
+    # each actor decided its lane priority on its own device (a CPU here) and learned its group cap at
+    # start, as a service does by default
+    metrics = rt.metrics()
+    assert metrics["training"]["priority"] == "normal"
+    assert {m["priority"] for m in metrics["inference"].values()} == {"high"}
     cap = rt.describe_backbones()[0]["group_caps"]["training"]
     assert cap["rows"] in [r for r, _ in cap["curve"]]
 

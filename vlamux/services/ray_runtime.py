@@ -37,7 +37,7 @@ from vlamux.services.health import HealthManager, Role
 from vlamux.services.inference import InferenceModelService
 from vlamux.services import shipping
 from vlamux.services.queues import InferenceQueueConfig
-from vlamux.services.runtime import RuntimeConfig, _Recipe, placed_backbones
+from vlamux.services.runtime import RuntimeConfig, _Recipe, lane_priority, placed_backbones
 from vlamux.services.training import TrainingModelService
 
 log = logging.getLogger(__name__)
@@ -75,10 +75,12 @@ class _Actor:
 class InferenceActor(_Actor):
     def __init__(self, backbones: dict[str, BackboneSpec], queue: InferenceQueueConfig, name: str,
                  device: str = "auto", torch_threads: int | None = None, dtype: str = "auto", fuse_heads: bool = True,
-                 group_cap: str | None = None, group_budget_s: float | None = None, priority: str = "high"):
+                 group_cap: str | None = None, group_budget_s: float | None = None,
+                 prioritize_inference: bool = True):
         self._init(torch_threads)
-        self.svc = InferenceModelService(list(placed_backbones(backbones, device, dtype).values()), queue, name,
-                                         fuse_heads=fuse_heads, group_cap=group_cap,
+        placed = list(placed_backbones(backbones, device, dtype).values())
+        priority = lane_priority("inference", prioritize_inference, False, placed[0].device)
+        self.svc = InferenceModelService(placed, queue, name, fuse_heads=fuse_heads, group_cap=group_cap,
                                          group_budget_s=group_budget_s, priority=priority).start()
 
     def stage_policy(self, snap: PolicySnapshot) -> None:
@@ -108,13 +110,15 @@ class TrainingActor(_Actor):
     def __init__(self, backbones: dict[str, BackboneSpec], max_staleness: int | None, max_group_rows: int | None,
                  device: str = "auto", torch_threads: int | None = None, dtype: str = "auto",
                  fuse_heads: bool = True, group_cap: str | None = None, group_budget_s: float | None = None,
-                 priority: str = "low"):
+                 prioritize_inference: bool = True):
         self._init(torch_threads)
         self.publisher = PolicyPublisher()
         self.publisher.start()
         self._sent: list = []  # stage_policy calls not yet known to have landed (flush waits for them)
         self._sent_lock = threading.Lock()
         self.backbones = placed_backbones(backbones, device, dtype)
+        # decided here, on the device this actor resolved (the driver may see no GPU where the actor has one)
+        priority = lane_priority("training", prioritize_inference, False, next(iter(self.backbones.values())).device)
         self.svc = TrainingModelService(list(self.backbones.values()), self.publisher, max_staleness,
                                         max_group_rows, fuse_heads=fuse_heads, group_cap=group_cap,
                                         group_budget_s=group_budget_s, priority=priority).start()
@@ -306,7 +310,7 @@ class RayRuntime:
         c = self.config
         self.training = self._actor(TrainingActor, c.training_actor).remote(
             c.named_backbones(), c.max_staleness, c.max_group_rows, c.role_device("training"), c.torch_threads,
-            c.dtype, c.fuse_heads, c.group_cap, c.group_budget_s, c.lane_priority("training"))
+            c.dtype, c.fuse_heads, c.group_cap, c.group_budget_s, c.prioritize_inference)
         self._incarnations["training"] = self._ping(self.training)["incarnation"]
         self.health.watch(self._role("training", lambda: self.training, self._restore_training))
         for _ in range(c.environment_replicas):
@@ -525,7 +529,7 @@ class RayRuntime:
         name = f"inference-{index}"
         handle = self._actor(InferenceActor, c.inference_actor, max_concurrency=4096).remote(
             c.named_backbones(), c.inference_queue, name, c.role_device("inference", index), c.torch_threads, c.dtype,
-            c.fuse_heads, c.group_cap, c.group_budget_s, c.lane_priority("inference"))
+            c.fuse_heads, c.group_cap, c.group_budget_s, c.prioritize_inference)
         self._incarnations[name] = self._ping(handle)["incarnation"]
         with self._lock:
             self.replicas[name] = handle

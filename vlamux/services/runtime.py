@@ -14,6 +14,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from vlamux.errors import UnknownBackboneError, UnknownTenantError
 from vlamux.model import Backbone, BackboneSpec, HeadSpec, Observation, OptimizerSpec, build_backbone
 from vlamux.model.device import resolve_device, resolve_dtype
@@ -84,18 +86,9 @@ class RuntimeConfig:
         return out
 
     def lane_priority(self, role: str) -> str:
-        """A model service's lane priority: inference "high"; training "low" where it shares a GPU,
-        or cores of the services' own (`service_cpus`), with inference; else both "normal". On cores
-        the simulators share too, a low-priority training thread would yield to every simulator and
-        could stall for as long as they keep the cores busy: there the OS's fair share stays."""
-        if not self.prioritize_inference:
-            return "normal"
-        if role == "inference":
-            return "high"
-        from vlamux.model.device import resolve_device
-
-        own_cores = self.service_cpus is not None
-        return "low" if own_cores or resolve_device(self.role_device("training")).type == "cuda" else "normal"
+        """A model service's lane priority (`lane_priority` below), its device resolved in this process."""
+        return lane_priority(role, self.prioritize_inference, self.service_cpus is not None,
+                             resolve_device(self.role_device(role)))
 
     def role_device(self, role: str, index: int = 0) -> str:
         """The device a role is placed on: "training" or "inference" (replica `index`), unresolved."""
@@ -105,6 +98,19 @@ class RuntimeConfig:
             return self.inference_devices[index % len(self.inference_devices)] if self.inference_devices \
                 else self.device
         raise ValueError(f"unknown role {role!r}")
+
+
+def lane_priority(role: str, prioritize_inference: bool, own_cores: bool, device) -> str:
+    """A model service's lane priority: inference "high"; training "low" where it shares a GPU, or
+    cores of the services' own (`own_cores`), with inference; else both "normal". On cores the
+    simulators share too, a low-priority training thread would yield to every simulator and could
+    stall for as long as they keep the cores busy: there the OS's fair share stays. `device`: the
+    role's, resolved where it runs (a Ray actor resolves its own: "auto" there is the GPU Ray gave it)."""
+    if not prioritize_inference:
+        return "normal"
+    if role == "inference":
+        return "high"
+    return "low" if own_cores or torch.device(device).type == "cuda" else "normal"
 
 
 def backbone_name(spec: BackboneSpec) -> str:
