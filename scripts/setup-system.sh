@@ -5,7 +5,7 @@
 # start on loopback to run the store against it (tests/postgres.py).
 set -euo pipefail
 # The venv with every extra and LIBERO is about 4.5 GB; say so up front rather than in a pip traceback.
-free_gb="$(df -P -BG . | awk 'NR == 2 { sub("G", "", $4); print $4 }')"
+free_gb="$(df -P -BG . 2>/dev/null | awk 'NR == 2 { sub("G", "", $4); print $4 }' || true)"
 if [ -n "$free_gb" ] && [ "$free_gb" -lt 6 ]; then
   echo "vlamux set-up: warning: ${free_gb} GB free on $(pwd)'s disk; the set-up needs about 5 GB (the venv, LIBERO's assets)" >&2
 fi

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.timeout(600)  # as its subprocess's own limit: ten benchmark steps, beside another test file
 def test_device_check_dry_run(tmp_path):
     out = tmp_path / "gpu"
     proc = subprocess.run([sys.executable, "scripts/device_check.py", "--dry-run", "--out-dir", str(out)], cwd=ROOT,

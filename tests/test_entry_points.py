@@ -141,6 +141,7 @@ def test_env_throughput_takes_a_render_device_instead():
     assert env_throughput.measure(spec.__class__(task=spec.task, image_size=32), 1, 1, 0.3, render_device=0) > 0
 
 
+@pytest.mark.serial  # the flooder must reach its rate limit
 def test_api_load_noisy_neighbour_reports_both_windows_and_the_flooders_refusals(tmp_path, monkeypatch):
     """A smoke run of `bench/api_load.py --noisy-neighbour` (2 clients, 2 s windows): every field the
     issue names is written and the flooder met the rate limit. Speed is the benchmark's business."""

@@ -166,6 +166,7 @@ def test_vector_env_seeding_reproducible(vec):
     assert not np.array_equal(a["images"]["agentview"][0], a["images"]["agentview"][1])  # sub-env i: seed + i
 
 
+@pytest.mark.serial  # a bound on detection and respawn time
 def test_killed_worker_is_detected_and_replaced(vec):
     vec.reset(seed=0)
     os.kill(vec.worker_pids()[0], signal.SIGKILL)
@@ -181,6 +182,7 @@ def test_killed_worker_is_detected_and_replaced(vec):
     assert vec.step(np.zeros((4, 4)))[1].shape == (4,)
 
 
+@pytest.mark.serial
 def test_hung_worker_times_out_and_is_replaced(vec):
     vec.reset(seed=0)
     old = vec.worker_pids()[1]

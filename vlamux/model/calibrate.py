@@ -14,6 +14,7 @@ group is never slower than its requests run one by one.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -114,6 +115,9 @@ def choose_cap(rows: list[int], seconds: list[float], budget_s: float | None = N
 # the same process (the Health Manager's restart, a second runtime) takes its backbone's curve from
 # here instead of probing for seconds again. Measuring on request (`force`) always probes.
 _MEASURED: dict[tuple, GroupCurve] = {}
+# One probe at a time in a process: two services probing at once (a restart beside a replica being
+# added) would each time the other's load, and the skewed curve would then be kept.
+_PROBING = threading.Lock()
 
 
 def conditions(backbone, lane, budget_s: float | None) -> tuple:
@@ -129,12 +133,13 @@ def calibrate(backbone, lane, budget_s: float | None = None, reuse: bool = False
     """Measure `backbone`'s curve and choose its cap; reuse=True: a curve this process measured under
     the same `conditions` is returned as it is."""
     key = (*conditions(backbone, lane, budget_s), *sorted(kw.items()))
-    if reuse and key in _MEASURED:
-        return _MEASURED[key]
-    t0 = time.perf_counter()
-    rows, seconds = measure(backbone, lane, **kw)
-    cap, reason = choose_cap(rows, seconds, budget_s)
-    curve = GroupCurve(backbone.backbone_id, rows, seconds, cap, budget_s, reason)
-    curve.measured_in_s = time.perf_counter() - t0
-    _MEASURED[key] = curve
+    with _PROBING:
+        if reuse and key in _MEASURED:
+            return _MEASURED[key]
+        t0 = time.perf_counter()
+        rows, seconds = measure(backbone, lane, **kw)
+        cap, reason = choose_cap(rows, seconds, budget_s)
+        curve = GroupCurve(backbone.backbone_id, rows, seconds, cap, budget_s, reason)
+        curve.measured_in_s = time.perf_counter() - t0
+        _MEASURED[key] = curve
     return curve
