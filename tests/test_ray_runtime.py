@@ -66,6 +66,11 @@ def rt(cluster):
     runtime.stop()
 
 
+def test_core_pinning_is_refused_on_ray():
+    with pytest.raises(ValueError, match="service_cpus / env_cpus pin cores .* on Ray place each role"):
+        RayRuntimeConfig(backbone=BackboneSpec(preset="tiny"), service_cpus=(0,), env_cpus=(1,))
+
+
 def test_roles_are_placed_on_their_nodes(rt):
     def node(h):
         return ray.get(h.node_id.remote())

@@ -271,6 +271,13 @@ class RayRuntimeConfig(RuntimeConfig):
     torch_threads: int | None = None  # Ray gives fractional actors a single torch thread otherwise
     ping_timeout_s: float = 5.0
 
+    def __post_init__(self):
+        super().__post_init__()
+        if self.service_cpus is not None or self.env_cpus is not None:  # never silently ignored
+            raise ValueError("service_cpus / env_cpus pin cores of this process (the embedded runtime); on Ray "
+                             "place each role with training_actor / inference_actor / environment_actor "
+                             "(num_cpus, num_gpus, resources)")
+
 
 class RayRuntime:
     """The services as Ray actors. Call `ray.init(...)` (or connect to a cluster) first."""
