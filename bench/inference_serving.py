@@ -30,6 +30,7 @@ from common import environment, interleaved_medians, plain_model, print_table, w
 
 from vlamux.model import BackboneSpec, HeadSpec, Result, Sample, build_backbone  # noqa: E402
 from vlamux.model.backbones import spec_from_arg  # noqa: E402
+from vlamux.model.calibrate import measured  # noqa: E402
 from vlamux.model.device import Lane, add_device_arguments, parse_device_arguments  # noqa: E402
 from vlamux.model.slot import Slot  # noqa: E402
 from vlamux.services.inference import InferenceModelService  # noqa: E402
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
     ratio = grp["requests_per_s"] / (limits[k]["limit_speedup"] * base["requests_per_s"])
     speedup = grp["requests_per_s"] / base["requests_per_s"]
     p99_bound = args.max_wait_ms + 2 * limits[k]["grouped_forward_ms"]
-    curve = getattr(backbone, "group_curve", None)
+    curve = measured(backbone)  # what the services learned at start (none with --no-cap)
     summary = {f"throughput_vs_limit_at_{k}": ratio, f"speedup_at_{k}": speedup, f"p99_ms_at_{k}": grp["p99_ms"],
                "p99_bound_ms": p99_bound, "scheduler_overhead_us": overhead,
                "group_cap": curve.describe() if curve is not None else None}

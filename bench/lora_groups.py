@@ -29,6 +29,7 @@ from common import (add_cell_arguments, cell_plan, environment, interleaved_medi
 
 from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone  # noqa: E402
 from vlamux.model.backbones import spec_from_arg  # noqa: E402
+from vlamux.model.calibrate import measured  # noqa: E402
 from vlamux.model.device import add_device_arguments, parse_device_arguments  # noqa: E402
 from vlamux.synthetic import TaskProfile, make_batch  # noqa: E402
 
@@ -40,7 +41,7 @@ PROFILE = TaskProfile({"agentview": (128, 128), "wrist": (128, 128)}, 7, 8, 8, "
 
 def build(backbone, n: int, b: int, lora: bool):
     runner = ModelRunner(backbone)
-    curve = getattr(backbone, "group_curve", None)  # the cap learned once for this backbone (main)
+    curve = measured(backbone)  # the cap learned once for this backbone (main; none with --no-cap)
     if curve is not None:
         runner.group_curves[backbone.backbone_id] = curve
     adapter = {"rank": 8} if lora else None
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
                               dtype=dtype)
     env = environment(backbone.device, backbone.dtype)
     if not args.no_cap:
-        c = ModelRunner(backbone).calibrate()[backbone.backbone_id]  # kept on the backbone: every cell's runner
+        c = ModelRunner(backbone).calibrate()[backbone.backbone_id]  # kept in this process: every cell's runner
         print(f"learned group cap: {c.cap} rows ({c.reason})", flush=True)
     print(f"lora groups: {backbone.backbone_id} ({backbone.num_parameters() / 1e6:.1f}M params), device={device}, "
           f"dtype={env['dtype']}, threads={env['threads']}, repeats={repeats}", flush=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vlamux.model import BackboneSpec, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone
-from vlamux.model.calibrate import GroupCurve, choose_cap, measure
+from vlamux.model.calibrate import GroupCurve, choose_cap, measure, measured
 from vlamux.synthetic import TaskProfile, make_batch
 
 
@@ -71,6 +71,8 @@ def test_a_second_start_takes_the_curve_this_process_measured_and_a_request_meas
     assert autocast.calibrate(0.05, force=False, max_rows=4)[bid] is not first[bid]
     forced = ModelRunner(build_backbone(spec)).calibrate(0.05, force=True, max_rows=4)
     assert forced[bid] is not first[bid] and forced[bid].rows == [1, 2, 4]
+    probed = ModelRunner(build_backbone(spec)).calibrate(0.03, force=True)[bid]  # the default extent
+    assert measured(build_backbone(spec), 0.03) is probed and measured(build_backbone(spec), 0.02) is None
 
 
 def test_the_runner_splits_groups_at_the_cap_and_outputs_stay_the_same():

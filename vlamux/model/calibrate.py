@@ -120,19 +120,25 @@ _MEASURED: dict[tuple, GroupCurve] = {}
 _PROBING = threading.Lock()
 
 
-def conditions(backbone, lane, budget_s: float | None) -> tuple:
+def conditions(backbone, lane_dtype: torch.dtype, budget_s: float | None) -> tuple:
     """What a curve holds for: the backbone (its id names its architecture, weights and input size),
-    the device and precision it runs in, the cores and threads torch has, the latency budget."""
+    the device and precision it runs in (its weights', and the lane's autocast dtype), the cores and
+    threads torch has, the latency budget."""
     p = next(backbone.parameters(), torch.empty(0))
     cpus = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else None
-    return (backbone.backbone_id, backbone.num_parameters(), str(p.device), str(p.dtype), str(lane.dtype),
+    return (backbone.backbone_id, backbone.num_parameters(), str(p.device), str(p.dtype), str(lane_dtype),
             budget_s, torch.get_num_threads(), cpus)
+
+
+def measured(backbone, budget_s: float | None = None) -> GroupCurve | None:
+    """The curve this process measured for `backbone` at its own dtype (a runner's lane), if any."""
+    return _MEASURED.get(conditions(backbone, backbone.dtype, budget_s))
 
 
 def calibrate(backbone, lane, budget_s: float | None = None, reuse: bool = False, **kw) -> GroupCurve:
     """Measure `backbone`'s curve and choose its cap; reuse=True: a curve this process measured under
     the same `conditions` is returned as it is."""
-    key = (*conditions(backbone, lane, budget_s), *sorted(kw.items()))
+    key = (*conditions(backbone, lane.dtype, budget_s), *sorted(kw.items()))
     with _PROBING:
         if reuse and key in _MEASURED:
             return _MEASURED[key]

@@ -164,7 +164,6 @@ class ModelRunner:
                 curve = calibrate(backbone, self.lane, budget_s, reuse=not force, **kw)
                 log.info("backbone %s: groups capped at %s rows (%s; measured in %.2fs)", bid, curve.cap,
                          curve.reason, curve.measured_in_s)
-                backbone.group_curve = curve
                 self.group_curves[bid] = curve
         return dict(self.group_curves)
 
