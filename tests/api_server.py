@@ -1,4 +1,6 @@
-"""A real vlamux HTTP server for tests: the app on uvicorn, on a free localhost port, in a thread.
+"""A real vlamux HTTP server for tests: the app on uvicorn, on a free localhost port, in a thread;
+or `vlamux serve` as a child process (`served`), for tests that must meet the server as a client
+does (or kill it).
 
     from api_server import running_server
 
@@ -15,6 +17,29 @@ import time
 from pathlib import Path
 
 from vlamux.api.host import ServiceConfig, ServiceHost
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served(data_dir: Path, log: Path | None = None, extra_args=()):
+    """`vlamux serve` on `data_dir` as a child process (one torch thread, its output in `log`), stopped
+    on the way out. Yields ``(url, admin_key, proc)``."""
+    import os
+
+    from vlamux.api.server import spawn, stop
+
+    port = free_port()
+    log = log or Path(data_dir).parent / f"{Path(data_dir).name}.log"
+    proc = spawn(data_dir, port, log=log.open("a"), extra_args=extra_args, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        yield f"http://127.0.0.1:{port}", (Path(data_dir) / "admin.key").read_text().strip(), proc
+    finally:
+        stop(proc)
 
 
 @contextlib.contextmanager

@@ -265,3 +265,58 @@ def test_a_policy_file_is_a_jobs_init_from(served, tmp_path):
     assert r.status_code == 422 and "sha256" in r.text and str(svc) not in r.text, r.text
     c.delete_policy_file("first")
     assert c.policy_files() == [] and not leftovers(svc)
+
+
+# ---- the quota ledger, without a server (issue 24) ---------------------------------------------------------
+def test_the_ledger_reserves_whole_uploads_before_their_bytes_are_written_and_gives_every_byte_back(tmp_path):
+    from vlamux.api.faults import QuotaExceeded, TooLarge
+    from vlamux.api.tenant_files import MAX_WHOLE_UPLOADS, TenantFiles
+
+    quota = 1 << 20
+    files = TenantFiles(tmp_path, lambda t: {"max_dataset_mb": 1})
+
+    def on_disk() -> int:
+        return sum(p.stat().st_size for p in (tmp_path / "tenants").rglob("*") if p.is_file())
+
+    # a chunked body: each chunk reserved before it is written; the one that passes the quota is refused unwritten
+    s = files.spool("t", None)
+    with pytest.raises(QuotaExceeded, match=f"max_dataset_mb \\({quota} bytes\\)"):
+        for _ in range(20):
+            s.write(b"\0" * (100 << 10))
+            s.f.flush()
+            assert on_disk() <= quota
+    assert s.at == 10 * (100 << 10) and files.used("t") == s.at
+    s.discard()
+    s.discard()  # idempotent: the route's fallback may call it twice
+    assert on_disk() == 0 and files.used("t") == 0
+
+    # a declared length is reserved at once, or refused before any file exists
+    with pytest.raises(QuotaExceeded, match=str(quota + 1)):
+        files.spool("t", quota + 1)
+    assert on_disk() == 0 and files.used("t") == 0
+    held = [files.spool("t", 300 << 10) for _ in range(MAX_WHOLE_UPLOADS)]
+    assert files.used("t") == MAX_WHOLE_UPLOADS * (300 << 10)
+    with pytest.raises(QuotaExceeded, match="at once") as e:  # the cap, before the quota is even near
+        files.spool("t", 1)
+    assert e.value.retry_after_s > 0
+    with pytest.raises(QuotaExceeded, match=str(MAX_WHOLE_UPLOADS * (300 << 10))):  # a resumable upload sees them
+        files.start_upload("t", quota - MAX_WHOLE_UPLOADS * (300 << 10) + 1)
+    for s in held:
+        s.discard()
+    assert files.used("t") == 0
+
+    # a resumable upload's declared bytes are seen by a whole one; a chunk cannot run past them
+    up = files.start_upload("t", 700 << 10)
+    with pytest.raises(QuotaExceeded, match=str(700 << 10)):
+        files.spool("t", 400 << 10)
+    s = files.spool("t", None)
+    with pytest.raises(QuotaExceeded):
+        s.write(b"\0" * (400 << 10))
+    assert s.at == 0
+    s.discard()
+    with pytest.raises(TooLarge, match=str(700 << 10)):
+        files.writer("t", up["id"], 0, (700 << 10) + 1)
+    w = files.writer("t", up["id"], 0)  # the lock was not left held by the refusal
+    w.close()
+    files.abort_upload("t", up["id"])
+    assert files.used("t") == 0 and files._reserved["t"] == {} and files._spools["t"] == set()

@@ -9,13 +9,16 @@ resumable uploads of either.
     POST   /v1/uploads/{id}/finish {as: dataset | policy_file, name}   checked and accepted, or refused
     DELETE /v1/uploads/{id}
 
-Bodies stream to disk chunk by chunk; nothing is parsed on the event loop.
+Bodies stream to disk chunk by chunk; nothing is parsed on the event loop. A whole upload is held to
+the tenant's quota before its bytes reach the disk (TenantFiles.spool): its Content-Length is reserved
+(or refused, 429) before the first byte is written, a body without one is reserved chunk by chunk and
+cut off as it passes the quota, and at most MAX_WHOLE_UPLOADS of a tenant's stream at once (429,
+Retry-After). A refusal, a dropped client or an accepted file leaves no spool and no reservation.
 """
 
 from __future__ import annotations
 
 import logging
-import uuid
 from typing import Any
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -29,6 +32,15 @@ log = logging.getLogger(__name__)
 NAME_QUERY = dict(min_length=1, max_length=64)
 
 
+def declared_length(request: Request) -> int | None:
+    """The body's Content-Length (BodyLimit has refused a malformed or oversized one), or None (chunked)."""
+    value = request.headers.get("content-length")
+    try:
+        return max(0, int(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
 def add_file_routes(app: FastAPI, host, tenant) -> None:
     files = host.files
 
@@ -38,17 +50,23 @@ def add_file_routes(app: FastAPI, host, tenant) -> None:
         if ctype not in UPLOAD_TYPES:
             raise ApiError(415, "invalid_input", "content-type: expected application/x-tar, application/gzip, "
                            "application/x-hdf5 or application/octet-stream", "content-type")
-        spool = host.data_dir / "tenants" / t / "incoming"
-        await run_in_threadpool(spool.mkdir, parents=True, exist_ok=True)
-        path = spool / uuid.uuid4().hex
+        # the quota and the cap on uploads at once, decided before the body is read: nothing written yet
+        spool = await run_in_threadpool(files.spool, t, declared_length(request))
         try:
-            with open(path, "wb") as f:  # never the whole body in memory
-                async for chunk in request.stream():
-                    if chunk:
-                        await run_in_threadpool(f.write, chunk)
-            return await run_in_threadpool(files.accept, t, path, kind, name)
-        finally:
-            path.unlink(missing_ok=True)
+            async for chunk in request.stream():  # never the whole body in memory
+                if chunk:
+                    await run_in_threadpool(spool.write, chunk)  # reserved before written, else 429
+            await run_in_threadpool(spool.close)
+            return await run_in_threadpool(files.accept, t, spool.path, kind, name, spool.token)
+        except ClientDisconnect:  # nobody to answer; not a server error
+            log.info("a whole upload of %s: the client went away at byte %d", t, spool.at)
+            raise ApiError(499, "client_closed_request", "body: the client went away before it was whole") from None
+        finally:  # the spool file removed and its reservation given back, on every path
+            try:
+                await run_in_threadpool(spool.discard)
+            except BaseException:  # cancelled: here, then (it is idempotent)
+                spool.discard()
+                raise
 
     @app.get("/v1/datasets")
     def datasets(t: str = Depends(tenant)):
@@ -97,7 +115,7 @@ def add_file_routes(app: FastAPI, host, tenant) -> None:
                            t: str = Depends(tenant)):
         """Bytes [offset, offset + len) of the upload. A chunk cut off by a dropped connection keeps
         what arrived: GET the upload for the offset to go on from."""
-        writer = await run_in_threadpool(files.writer, t, upload_id, offset)
+        writer = await run_in_threadpool(files.writer, t, upload_id, offset, declared_length(request))
         try:
             async for chunk in request.stream():
                 if chunk:

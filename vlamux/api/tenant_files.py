@@ -11,6 +11,11 @@ Under the service's data directory:
 An upload is spooled to disk (never held whole in memory), its format told by its first bytes (tar,
 gzip, HDF5, safetensors), checked, and only then moved into place at once; a refusal leaves nothing.
 Another tenant's names do not exist for a tenant: every lookup starts in its own directory.
+
+The quota (max_dataset_mb) counts stored files, the bytes each open resumable upload declared, and the
+bytes each whole upload has reserved while it streams in (`Spool`): the declared Content-Length at
+once (refused before a byte is written if it does not fit), else each chunk before it is written. So
+a tenant's spools never hold more than its quota, and at most MAX_WHOLE_UPLOADS stream at once.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 POLICY_SUFFIX = ".policy.safetensors"
 MAX_OPEN_UPLOADS = 4  # per tenant
+MAX_WHOLE_UPLOADS = 2  # per tenant: whole uploads (POST /v1/datasets, /v1/policy-files) streaming at once
+WHOLE_UPLOAD_RETRY_S = 5.0  # Retry-After of a whole upload refused for MAX_WHOLE_UPLOADS
+QUOTA_RETRY_S = 60.0  # Retry-After of an upload refused for max_dataset_mb
 UPLOAD_IDLE_S = 24 * 3600.0  # an upload nobody appended to for this long is dropped
 
 
@@ -68,6 +76,12 @@ class TenantFiles:
         self._backbone_hashes = backbone_hashes or (lambda: {})
         self._locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()
+        # the ledger, per tenant, under _ledger(tenant): bytes held back for uploads in flight ({token: bytes}:
+        # a whole upload's spool, or an accepted file about to be moved in), the spools streaming, and a cache
+        # of stored + declared-session bytes (dropped on every change this class makes)
+        self._reserved: dict[str, dict[str, int]] = {}
+        self._spools: dict[str, set[str]] = {}
+        self._base: dict[str, int] = {}
 
     # ---- where things are -----------------------------------------------------------------------
     def _tenant(self, tenant_id: str) -> Path:
@@ -97,8 +111,8 @@ class TenantFiles:
             raise InvalidInputError(f"{field_name}: the name of a dataset (GET /v1/datasets), got {str(name)[:80]!r}")
         for root in ([self._datasets(tenant_id)] if tenant_id else []) + [self.data_dir / "datasets"]:
             found = self._find(root, name)
-            if found is not None:
-                return found.resolve()
+            if found is not None and found.resolve().is_relative_to(root.resolve()):
+                return found.resolve()  # (a link out of its own directory, made on the disk, is not a dataset)
         raise InvalidInputError(f"{field_name}: no dataset {name!r} (GET /v1/datasets)")
 
     def datasets(self, tenant_id: str | None = None) -> list[dict]:
@@ -141,6 +155,7 @@ class TenantFiles:
             raise NotFound(f"no dataset {name!r} of yours")
         with self._tenant_lock(tenant_id):
             shutil.rmtree(found) if found.is_dir() else found.unlink()
+            self._changed(tenant_id)
 
     def delete_policy_file(self, tenant_id: str, name: str) -> None:
         path = self._policies(tenant_id) / f"{name}{POLICY_SUFFIX}"
@@ -148,23 +163,100 @@ class TenantFiles:
             raise NotFound(f"no policy file {name!r} of yours")
         with self._tenant_lock(tenant_id):
             path.unlink()
+            self._changed(tenant_id)
 
     # ---- the quota --------------------------------------------------------------------------------
     def limit(self, tenant_id: str) -> int:
         return int(float(self._quotas(tenant_id)["max_dataset_mb"]) * (1 << 20))
 
-    def used(self, tenant_id: str, but: str | None = None) -> int:
-        """Stored bytes: datasets, policy files, and what open uploads (other than `but`) declared."""
+    def _stored(self, tenant_id: str, but: str | None = None) -> int:
+        """Bytes on disk of datasets and policy files, and what open uploads (other than `but`) declared."""
         total = sum(du(p) for root in (self._datasets(tenant_id), self._policies(tenant_id)) if root.is_dir()
                     for p in root.iterdir() if not p.name.startswith("."))
         return total + sum(s["bytes"] for s in self._sessions(tenant_id) if s["id"] != but)
 
-    def _over(self, tenant_id: str, adding: int, what: str, but: str | None = None) -> None:
-        used, limit = self.used(tenant_id, but), self.limit(tenant_id)
-        if used + adding > limit:
-            raise QuotaExceeded(f"quota: {what} of {adding} bytes beside the {used} you store would exceed "
-                                f"max_dataset_mb ({limit} bytes); delete a dataset or policy file first",
-                                retry_after_s=60.0)
+    def used(self, tenant_id: str, but: str | None = None) -> int:
+        """Stored bytes: datasets, policy files, what open uploads declared and what whole uploads in
+        flight reserved; `but`: an upload session or reservation not to count (the one being accepted)."""
+        # a copy (atomic under the GIL): callers outside the ledger lock read it while uploads grow
+        held = sum(n for k, n in list(self._reserved.get(tenant_id, {}).items()) if k != but)
+        return self._stored(tenant_id, but) + held
+
+    def _ledger(self, tenant_id: str) -> threading.Lock:
+        """Held for each quota decision and the change it allows; never while waiting for the client."""
+        return self._tenant_lock(f"ledger:{tenant_id}")
+
+    def _changed(self, tenant_id: str) -> None:
+        with self._ledger(tenant_id):
+            self._base.pop(tenant_id, None)
+
+    @staticmethod
+    def _refusal(what: str, adding: int, used: int, limit: int) -> QuotaExceeded:
+        return QuotaExceeded(f"quota: {what} of {adding} bytes beside the {used} you store or are uploading "
+                             f"would exceed max_dataset_mb ({limit} bytes); delete a dataset or policy file first",
+                             retry_after_s=QUOTA_RETRY_S)
+
+    def _over(self, tenant_id: str, adding: int, what: str, but: str | None = None, hold: bool = False) -> None:
+        """Refuse (429) unless `adding` bytes fit beside the rest. hold: keep them reserved under `but`
+        until `_release(but)`, so that nothing else takes them before the file is in place (an
+        archive can unpack to more than its upload reserved)."""
+        with self._ledger(tenant_id):
+            used, limit = self.used(tenant_id, but), self.limit(tenant_id)
+            if used + adding > limit:
+                raise self._refusal(what, adding, used, limit)
+            if hold and but:
+                held = self._reserved.setdefault(tenant_id, {})
+                held[but] = max(held.get(but, 0), adding)
+
+    def _release(self, tenant_id: str, token: str) -> None:
+        with self._ledger(tenant_id):
+            self._reserved.get(tenant_id, {}).pop(token, None)
+            self._spools.get(tenant_id, set()).discard(token)
+            self._base.pop(tenant_id, None)  # a file may have moved in under this reservation
+
+    # ---- whole uploads, streamed in ---------------------------------------------------------------------
+    def spool(self, tenant_id: str, declared: int | None) -> Spool:
+        """Where a whole upload streams to, once it may: at most MAX_WHOLE_UPLOADS of a tenant's at once,
+        and its declared size (Content-Length; None when chunked) within the quota, reserved at once.
+        Refused (429) before anything is written. The caller must `discard()` it on every path."""
+        token = uuid.uuid4().hex
+        with self._ledger(tenant_id):
+            if declared is not None:
+                used, limit = self.used(tenant_id), self.limit(tenant_id)
+                if used + declared > limit:
+                    raise self._refusal("an upload", declared, used, limit)
+            spools = self._spools.setdefault(tenant_id, set())
+            if len(spools) >= MAX_WHOLE_UPLOADS:
+                raise QuotaExceeded(f"quota: {MAX_WHOLE_UPLOADS} uploads of yours are streaming in at once, the "
+                                    f"most at a time; send this one when one of them is done",
+                                    retry_after_s=WHOLE_UPLOAD_RETRY_S)
+            spools.add(token)
+            self._reserved.setdefault(tenant_id, {})[token] = declared or 0
+        try:
+            where = self._tenant(tenant_id) / "incoming"
+            where.mkdir(parents=True, exist_ok=True)
+            return Spool(self, tenant_id, token, where / token, declared)
+        except BaseException:
+            self._release(tenant_id, token)
+            raise
+
+    def _grow(self, tenant_id: str, token: str, total: int) -> None:
+        """Raise the reservation `token` to `total` bytes, or refuse (429) when that passes the quota."""
+        with self._ledger(tenant_id):
+            held = self._reserved.setdefault(tenant_id, {})
+            if total <= held.get(token, 0):
+                return
+            others, limit = sum(n for k, n in held.items() if k != token), self.limit(tenant_id)
+            if tenant_id not in self._base:
+                self._base[tenant_id] = self._stored(tenant_id)
+            if self._base[tenant_id] + others + total > limit:
+                self._base[tenant_id] = self._stored(tenant_id)  # refuse on fresh numbers only
+                if self._base[tenant_id] + others + total > limit:
+                    used = self._base[tenant_id] + others
+                    raise QuotaExceeded(f"quota: the upload reached {total} bytes; beside the {used} you store or "
+                                        f"are uploading that exceeds max_dataset_mb ({limit} bytes); delete a "
+                                        f"dataset or policy file first", retry_after_s=QUOTA_RETRY_S)
+            held[token] = total
 
     def _tenant_lock(self, tenant_id: str) -> threading.Lock:
         with self._lock:
@@ -179,10 +271,13 @@ class TenantFiles:
             raise InvalidInputError(f"name: letters, digits, '-', '_' and '.', 1 to 64, got {str(name)[:80]!r}")
         fmt = sniff(spooled)
         with self._tenant_lock(tenant_id):  # one acceptance of a tenant at a time: its quota check holds
-            if kind == "dataset":
-                return self._accept_dataset(tenant_id, spooled, fmt, name, but)
-            if kind == "policy_file":
-                return self._accept_policy(tenant_id, spooled, fmt, name, but)
+            try:
+                if kind == "dataset":
+                    return self._accept_dataset(tenant_id, spooled, fmt, name, but)
+                if kind == "policy_file":
+                    return self._accept_policy(tenant_id, spooled, fmt, name, but)
+            finally:
+                self._changed(tenant_id)  # the stored bytes changed (or not): counted afresh
         raise InvalidInputError(f"as: 'dataset' or 'policy_file', got {str(kind)[:40]!r}")
 
     def _accept_dataset(self, tenant_id: str, spooled: Path, fmt: str, name: str, but: str | None) -> dict:
@@ -195,6 +290,7 @@ class TenantFiles:
             self._over(tenant_id, size, "the dataset", but)
             check_hdf5(spooled)
             info = validate_hdf5(spooled, name)
+            self._over(tenant_id, size, "the dataset", but, hold=True)
             os.replace(spooled, own / f"{name}.hdf5")
             return {"name": name, "public": False, "format": "hdf5", "bytes": size, **info}
         if fmt not in ("tar", "gzip"):
@@ -208,6 +304,7 @@ class TenantFiles:
             size = du(root)
             self._over(tenant_id, size, "the dataset", but)
             info = validate(root)
+            self._over(tenant_id, size, "the dataset", but, hold=True)
             os.replace(root, own / name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -234,6 +331,7 @@ class TenantFiles:
         if meta.get("backbone_sha256") not in held:
             raise InvalidInputError(f"body: the policy was trained on backbone {meta.get('backbone_id')!r}, which "
                                     f"this service does not hold (it holds {sorted(held.values())})")
+        self._over(tenant_id, size, "the policy file", but, hold=True)
         os.replace(spooled, own / f"{name}{POLICY_SUFFIX}")
         return {"name": name, "bytes": size, "policy_version": int(meta["policy_version"]),
                 "backbone": held[meta["backbone_sha256"]], "head": json.loads(HeadSpec.from_json(meta["head_spec"]).to_json())}
@@ -271,12 +369,15 @@ class TenantFiles:
             raise InvalidInputError(f"bytes: a positive integer, got {total!r}")
         if sha256 is not None and not re.fullmatch(r"[0-9a-f]{64}", str(sha256)):
             raise InvalidInputError("sha256: 64 lower-case hex digits")
-        with self._tenant_lock(tenant_id):
+        with self._ledger(tenant_id):  # the quota decision and the session it allows, at once
             self._sweep(tenant_id)
+            self._base.pop(tenant_id, None)
             if len(self._sessions(tenant_id)) >= MAX_OPEN_UPLOADS:
                 raise QuotaExceeded(f"quota: {MAX_OPEN_UPLOADS} uploads are open; finish or delete one first",
                                     retry_after_s=10.0)
-            self._over(tenant_id, total, "an upload")
+            used, limit = self.used(tenant_id), self.limit(tenant_id)
+            if used + total > limit:
+                raise self._refusal("an upload", total, used, limit)
             upload_id = uuid.uuid4().hex
             d = self._uploads(tenant_id) / upload_id
             d.mkdir(parents=True)
@@ -294,10 +395,15 @@ class TenantFiles:
         return {"id": session["id"], "bytes": session["bytes"], "offset": (d / "data").stat().st_size,
                 "sha256": session["sha256"]}
 
-    def writer(self, tenant_id: str, upload_id: str, offset: int) -> ChunkWriter:
-        """Where a chunk starting at `offset` goes: it must start where the upload's bytes end."""
+    def writer(self, tenant_id: str, upload_id: str, offset: int, length: int | None = None) -> ChunkWriter:
+        """Where a chunk starting at `offset` goes: it must start where the upload's bytes end, and a
+        chunk whose declared `length` (Content-Length) runs past the upload's declared bytes is refused
+        (413) before a byte of it is written."""
         d = self._session_dir(tenant_id, upload_id)
         session = json.loads((d / "session.json").read_text())
+        if length is not None and offset + length > session["bytes"]:
+            raise TooLarge(f"body: a chunk of {length} bytes at offset {offset} runs past the upload's declared "
+                           f"{session['bytes']} bytes")
         lock = self._tenant_lock(f"upload:{upload_id}")
         if not lock.acquire(blocking=False):
             raise Conflict(f"upload {upload_id}: another chunk is being written; send one at a time")
@@ -331,9 +437,11 @@ class TenantFiles:
             return self.accept(tenant_id, data, kind, name, but=upload_id)
         finally:
             shutil.rmtree(d, ignore_errors=True)
+            self._release(tenant_id, upload_id)
 
     def abort_upload(self, tenant_id: str, upload_id: str) -> None:
         shutil.rmtree(self._session_dir(tenant_id, upload_id), ignore_errors=True)
+        self._changed(tenant_id)
 
 
 class ChunkWriter:
@@ -359,3 +467,33 @@ class ChunkWriter:
         finally:
             self._lock.release()
         return self.at
+
+
+class Spool:
+    """A whole upload streaming to disk (TenantFiles.spool): each chunk is reserved against the quota
+    before it is written (nothing to do when the declared size was reserved at once), so a refusal
+    comes before the bytes over the quota reach the disk. `discard()` removes the file and gives the
+    reservation back; call it on every path (after `accept`, whose file moves away)."""
+
+    def __init__(self, files: TenantFiles, tenant_id: str, token: str, path: Path, declared: int | None):
+        self.files, self.tenant_id, self.token, self.path, self.declared = files, tenant_id, token, path, declared
+        self.at = 0
+        self.f = path.open("xb")
+
+    def write(self, chunk: bytes) -> None:
+        total = self.at + len(chunk)
+        if self.declared is not None and total > self.declared:  # the server's HTTP parser stops it first
+            raise TooLarge(f"body: more than its Content-Length of {self.declared} bytes")
+        self.files._grow(self.tenant_id, self.token, total)
+        self.f.write(chunk)
+        self.at = total
+
+    def close(self) -> None:
+        self.f.close()
+
+    def discard(self) -> None:
+        try:
+            self.f.close()
+            self.path.unlink(missing_ok=True)
+        finally:
+            self.files._release(self.tenant_id, self.token)

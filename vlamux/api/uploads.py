@@ -9,6 +9,7 @@ and no `..`, at most `max_files` members and `max_bytes` unpacked, and a compres
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
 import tarfile
 import uuid
@@ -94,7 +95,11 @@ def dataset_root(unpacked: Path) -> Path:
 
 def validate(root: Path) -> dict:
     """Read the dataset back as training will (its metadata, and a frame of its first and last
-    episodes, cameras included): what it holds, or an error naming the file and the key."""
+    episodes, cameras included): what it holds, or an error naming the file and the key.
+
+    Opening it checks every path its files name (meta/info.json's data_path / video_path templates,
+    filled in for each episode): one leading outside the dataset is refused with the reader's own
+    message (the one a job on such a dataset fails with), the same whether or not anything is there."""
     from vlamux.data.lerobot import DatasetError, LeRobotDataset
 
     try:
@@ -113,8 +118,10 @@ def validate(root: Path) -> dict:
                 "codebase_version": ds.info.get("codebase_version")}
     except InvalidInputError:
         raise
-    except (DatasetError, OSError, ValueError, KeyError) as e:
-        msg = str(e).replace(str(root) + "/", "").replace(str(root), ".")
+    except (DatasetError, OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        msg = str(e)
+        for r in dict.fromkeys((str(root), os.path.realpath(root))):  # errors name files relative to it
+            msg = msg.replace(r + "/", "").replace(r, ".")
         raise InvalidInputError(f"body: the dataset does not read: {msg}") from None
 
 
@@ -167,6 +174,6 @@ def validate_hdf5(path: Path, name: str) -> dict:
                     ds.episode_images(i, key) if v["dtype"] == "image" else ds.episode_array(i, key)
             return {"episodes": n, "frames": ds.num_frames, "cameras": cameras, "instruction": ds.instruction if own
                     else None, "keys": sorted(k for k, v in ds.features.items() if v["dtype"] != "image")}
-    except (DatasetError, OSError, ValueError, KeyError) as e:
-        msg = str(e).replace(str(path), name)
+    except (DatasetError, OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        msg = str(e).replace(str(path), name).replace(path.name, name)  # the reader names the file by its name
         raise InvalidInputError(f"body: the HDF5 dataset does not read: {msg}") from None

@@ -10,12 +10,12 @@ from vlamux.data.lerobot import (
     EpisodeDataset,
     EpisodeInfo,
     LeRobotDataset,
-    LeRobotWriter,
     MissingKeyError,
     aggregate_stats,
     feature_stats,
     image_stats,
 )
+from vlamux.data.lerobot_writer import LeRobotWriter
 from vlamux.data.sampler import Batch, ChunkSampler
 
 __all__ = [

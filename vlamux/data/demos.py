@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vlamux.data.lerobot import LeRobotWriter
+from vlamux.data.lerobot_writer import LeRobotWriter
 
 FPS = 10  # the tabletop control rate
 

@@ -69,35 +69,40 @@ class RobomimicDataset(EpisodeDataset):
         import h5py
 
         self.path = Path(path)
-        self.source = str(self.path)
-        self.stats_source = f"{self.path} (computed statistics)"
+        self.name = self.path.name  # what errors name: the file, never the machine's directories
+        self.source = self.name
+        self.stats_source = f"{self.name} (computed statistics)"
         try:
             self._file = h5py.File(self.path, "r")
         except FileNotFoundError:
-            raise DatasetFormatError(f"{self.path}: file missing") from None
+            raise DatasetFormatError(f"{self.name}: file missing") from None
         except OSError as e:
-            raise DatasetFormatError(f"{self.path}: not an HDF5 file ({e})") from None
+            raise DatasetFormatError(f"{self.name}: not an HDF5 file ({str(e).replace(str(self.path), self.name)})") \
+                from None
+        self._local("data")  # before any look inside: a link to another file is refused unread
         if "data" not in self._file:
-            raise DatasetFormatError(f"{self.path}: no 'data' group (groups: {_have(self._file.keys())})")
+            raise DatasetFormatError(f"{self.name}: no 'data' group (groups: {_have(self._file.keys())})")
         data = self._file["data"]
-        self.env_args = _attr_json(data.attrs, "env_args", f"{self.path}:/data") or {}
-        self.problem_info = _attr_json(data.attrs, "problem_info", f"{self.path}:/data") or {}
+        self.env_args = _attr_json(data.attrs, "env_args", f"{self.name}:/data") or {}
+        self.problem_info = _attr_json(data.attrs, "problem_info", f"{self.name}:/data") or {}
         names = sorted((k for k in data.keys() if k.startswith("demo")), key=_demo_order)
         if filter_key is not None:
+            self._local(f"mask/{filter_key}")
             mask = self._file.get(f"mask/{filter_key}")
             if mask is None:
                 have = list(self._file["mask"].keys()) if "mask" in self._file else []
-                raise MissingKeyError(f"{self.path}: no mask/{filter_key!r} (masks: {_have(have)})")
+                raise MissingKeyError(f"{self.name}: no mask/{filter_key!r} (masks: {_have(have)})")
             wanted = {m.decode() if isinstance(m, bytes) else str(m) for m in mask[()]}
             names = [n for n in names if n in wanted]
         if not names:
-            raise DatasetFormatError(f"{self.path}: no demos under /data")
+            raise DatasetFormatError(f"{self.name}: no demos under /data")
         self.demo_names = names
         self._lengths = []
         for n in names:
+            self._local(f"data/{n}/actions")
             g = data[n]
             if "actions" not in g:
-                raise DatasetFormatError(f"{self.path}:/data/{n}: no 'actions' dataset")
+                raise DatasetFormatError(f"{self.name}:/data/{n}: no 'actions' dataset")
             self._lengths.append(int(g["actions"].shape[0]))
 
         if instruction is None:
@@ -106,7 +111,7 @@ class RobomimicDataset(EpisodeDataset):
                 li = " ".join(map(str, li))
             instruction = li
         if not instruction:
-            raise DatasetFormatError(f"{self.path}: no language instruction (LIBERO stores one in "
+            raise DatasetFormatError(f"{self.name}: no language instruction (LIBERO stores one in "
                                      f"data.attrs['problem_info']); pass instruction=")
         self.instruction = str(instruction)
         self.tasks = [self.instruction]
@@ -116,6 +121,33 @@ class RobomimicDataset(EpisodeDataset):
         self.features = self._features(data[names[0]])
         self._cache = ByteLRU(int(cache_mb * 2 ** 20))
         self._stats: dict[str, dict[str, np.ndarray]] = {}
+
+    def _local(self, key: str) -> None:
+        """Refuse `key` (a path in the file) if reading it would read another file: an external link
+        on its way, a virtual dataset or external storage (what the upload check refuses too).
+        Looks at links only, so the refusal does not depend on what the other file holds; a `key`
+        that is not there passes (the caller says so)."""
+        import h5py
+
+        parts = [p for p in key.split("/") if p]
+        for n in range(1, len(parts) + 1):
+            sub = "/".join(parts[:n])
+            link = self._file.get(sub, getlink=True)
+            if isinstance(link, h5py.ExternalLink):
+                raise DatasetFormatError(f"{self.name}:/{sub}: an external link (to another file); "
+                                         f"links to other files are not read")
+        obj = self._file.get(key)
+        if isinstance(obj, h5py.Dataset) and (obj.is_virtual or obj.external):
+            raise DatasetFormatError(f"{self.name}:/{key}: stored outside the file (virtual or external "
+                                     f"storage), which is not read")
+
+    def _array(self, i: int, key: str) -> np.ndarray:
+        """The whole `key` array of demo i, read from this file only."""
+        name = self.demo_names[i]
+        self._local(f"data/{name}/{key}")
+        if key not in self._file["data"][name]:
+            raise DatasetFormatError(f"{self.name}:/data/{name}: no {key!r} (the first demo has it)")
+        return self._file["data"][name][key][()]
 
     def _features(self, demo) -> dict[str, dict]:
         import h5py
@@ -156,13 +188,9 @@ class RobomimicDataset(EpisodeDataset):
         cached = self._cache.get((i, key))
         if cached is not None:
             return cached
-        demo = self._file["data"][self.demo_names[i]]
-        if key not in demo:
-            raise DatasetFormatError(f"{self.path}:/data/{self.demo_names[i]}: no {key!r} "
-                                     f"(the first demo has it)")
-        arr = demo[key][()]
+        arr = self._array(i, key)
         if len(arr) != self._lengths[i]:
-            raise DatasetFormatError(f"{self.path}:/data/{self.demo_names[i]}/{key}: {len(arr)} frames, "
+            raise DatasetFormatError(f"{self.name}:/data/{self.demo_names[i]}/{key}: {len(arr)} frames, "
                                      f"actions have {self._lengths[i]}")
         if self.features[key]["dtype"] == "image" and self.rotate_images:
             arr = np.ascontiguousarray(arr[:, ::-1, ::-1])
@@ -172,12 +200,12 @@ class RobomimicDataset(EpisodeDataset):
 
     def episode_array(self, i: int, key: str) -> np.ndarray:
         if self.is_camera(key):
-            raise DatasetFormatError(f"{self.path}: {key!r} is a camera; use episode_images")
+            raise DatasetFormatError(f"{self.name}: {key!r} is a camera; use episode_images")
         return self._read(i, key)
 
     def episode_images(self, i: int, key: str) -> np.ndarray:
         if not self.is_camera(key):
-            raise DatasetFormatError(f"{self.path}: {key!r} is not a camera (uint8 [T, H, W, 3])")
+            raise DatasetFormatError(f"{self.name}: {key!r} is not a camera (uint8 [T, H, W, 3])")
         return self._read(i, key)
 
     def frame_tasks(self, i: int) -> list[str]:
@@ -201,9 +229,8 @@ class RobomimicDataset(EpisodeDataset):
             if self.features[key]["dtype"] == "image":
                 from vlamux.data.lerobot import aggregate_stats
 
-                per = [{key: image_stats(self._file["data"][self.demo_names[i]][key][()])} for i in demo_names]
+                per = [{key: image_stats(self._array(i, key))} for i in demo_names]
                 self._stats[key] = aggregate_stats(per)[key]
             else:
-                self._stats[key] = feature_stats(np.concatenate(
-                    [self._file["data"][self.demo_names[i]][key][()] for i in demo_names]))
+                self._stats[key] = feature_stats(np.concatenate([self._array(i, key) for i in demo_names]))
         return self._stats[key]

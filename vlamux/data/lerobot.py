@@ -1,4 +1,5 @@
-"""LeRobot datasets on local disk: a v3.0 writer, and readers for v3.0 and v2.1 (v2.0).
+"""LeRobot datasets on local disk: readers for v3.0 and v2.1 (v2.0); the v3.0 writer is
+`vlamux.data.lerobot_writer`.
 
 The layout follows LeRobot's own code (`lerobot.datasets`, tags v0.4.x-v0.6.x,
 `CODEBASE_VERSION = "v3.0"`) and its v3.0 announcement; docs/DATASETS.md
@@ -20,23 +21,28 @@ v3.0 on disk (`{...}` are LeRobot's path templates, stored in meta/info.json):
                                     many episodes per file, back to back; an episode's frames
                                     are at from_timestamp + its `timestamp` column
 
-This module also holds what the HDF5 reader shares (errors, statistics, the
-episode-dataset base class, the decoded-frame cache).
+The reader opens only files inside the dataset's directory (symbolic links resolved): the path
+templates take only LeRobot's fields ({chunk_index}, {file_index}, {video_key}; v2.x: {episode_chunk},
+{episode_index}, {video_key}) and are filled in without `str.format`; a dataset naming a file
+outside itself is refused when it is opened, with the same message whether or not that file exists.
+Errors name files relative to the dataset's root.
+
+This module also holds what the HDF5 reader and the writer share (statistics, the episode-dataset
+base class, the decoded-frame cache); the paths' checks are `vlamux.data.paths`, the errors
+`vlamux.data.errors`.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import io
 import json
 import os
-import shutil
 import tempfile
 import threading
-import uuid
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +50,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from vlamux.errors import VlamuxError
+from vlamux.data.errors import DatasetError, DatasetFormatError, MissingKeyError
+from vlamux.data.paths import (LEGACY_TEMPLATE_FIELDS, MAX_INDEX, V3_TEMPLATE_FIELDS, PathTemplate, is_dir, is_file,
+                               listdir, resolve_inside, scrub, short)
 
 # ---- constants of the format (LeRobot's names) ---------------------------------------------------
 
@@ -83,23 +91,6 @@ DEFAULT_QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)
 CAMERA_DTYPES = ("video", "image")
 _NUMERIC_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
                    "uint32", "uint64", "bool")
-
-
-# ---- errors ---------------------------------------------------------------------------------------
-
-class DatasetError(VlamuxError):
-    """Base class of offline-dataset errors."""
-
-
-class DatasetFormatError(DatasetError, ValueError):
-    """A dataset on disk does not follow its format; the message names the file and the field."""
-
-
-class MissingKeyError(DatasetError, KeyError):
-    """A feature or statistic a caller needs is not in the dataset; the message names it."""
-
-    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
-        return str(self.args[0]) if self.args else "missing key"
 
 
 def _have(keys) -> str:
@@ -233,24 +224,34 @@ def _write_json_atomic(obj, path: Path) -> None:
         raise
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path, name: str | None = None) -> Any:
+    """JSON from `path`; errors name the file as `name` (relative to the dataset root)."""
+    name = name if name is not None else str(path)
     try:
         with open(path) as f:
             return json.load(f)
     except FileNotFoundError:
-        raise DatasetFormatError(f"{path}: file missing") from None
-    except json.JSONDecodeError as e:
-        raise DatasetFormatError(f"{path}: not valid JSON ({e})") from None
+        raise DatasetFormatError(f"{name}: file missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DatasetFormatError(f"{name}: not valid JSON ({e})") from None
+    except OSError as e:
+        raise DatasetFormatError(f"{name}: cannot read ({e.strerror or type(e).__name__})") from None
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _read_jsonl(path: Path, name: str | None = None) -> list[dict]:
+    name = name if name is not None else str(path)
     try:
         with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
+            rows = [json.loads(line) for line in f if line.strip()]
     except FileNotFoundError:
-        raise DatasetFormatError(f"{path}: file missing") from None
-    except json.JSONDecodeError as e:
-        raise DatasetFormatError(f"{path}: not valid JSON lines ({e})") from None
+        raise DatasetFormatError(f"{name}: file missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DatasetFormatError(f"{name}: not valid JSON lines ({e})") from None
+    except OSError as e:
+        raise DatasetFormatError(f"{name}: cannot read ({e.strerror or type(e).__name__})") from None
+    if not all(isinstance(r, dict) for r in rows):
+        raise DatasetFormatError(f"{name}: every line must be a JSON object")
+    return rows
 
 
 def _column_to_numpy(col: pa.ChunkedArray | pa.Array, shape: Sequence[int] | None) -> np.ndarray:
@@ -272,8 +273,9 @@ def _column_to_numpy(col: pa.ChunkedArray | pa.Array, shape: Sequence[int] | Non
     return values.reshape(n, -1)
 
 
-def _decode_png_column(col: pa.ChunkedArray, root: Path) -> np.ndarray:
-    """An inline-image column (HF `Image`: struct<bytes, path>) as uint8 [N, H, W, 3]."""
+def _decode_png_column(col: pa.ChunkedArray, root: Path, where: str = "an 'image' column") -> np.ndarray:
+    """An inline-image column (HF `Image`: struct<bytes, path>) as uint8 [N, H, W, 3]. A cell without
+    bytes names a file relative to `root` (the dataset's resolved directory); it must lie inside it."""
     try:
         from PIL import Image
     except ImportError as e:  # pragma: no cover - Pillow ships with most installs
@@ -281,25 +283,38 @@ def _decode_png_column(col: pa.ChunkedArray, root: Path) -> np.ndarray:
     out = []
     for cell in col.to_pylist():
         if cell is None:
-            raise DatasetFormatError("an 'image' cell is empty")
+            raise DatasetFormatError(f"{where}: an 'image' cell is empty")
         data = cell.get("bytes") if isinstance(cell, dict) else cell
-        if data is None:
-            with Image.open(root / cell["path"]) as im:
-                out.append(np.asarray(im.convert("RGB")))
-        else:
-            with Image.open(io.BytesIO(data)) as im:
-                out.append(np.asarray(im.convert("RGB")))
+        rel = None
+        try:
+            if data is None:
+                rel = cell.get("path") if isinstance(cell, dict) else None
+                path = resolve_inside(root, rel, f"{where}: image path {short(rel)}")
+                with Image.open(path) as im:
+                    out.append(np.asarray(im.convert("RGB")))
+            else:
+                with Image.open(io.BytesIO(data)) as im:
+                    out.append(np.asarray(im.convert("RGB")))
+        except DatasetError:
+            raise
+        except FileNotFoundError:
+            raise DatasetFormatError(f"{where}: image file {short(rel)} missing") from None
+        except (OSError, ValueError, TypeError) as e:
+            raise DatasetFormatError(f"{where}: an image does not decode ({scrub(str(e), root)})") from None
     return np.stack(out) if out else np.zeros((0, 0, 0, 3), np.uint8)
 
 
-def decode_video_segment(path: Path, timestamps: Sequence[float], tolerance_s: float) -> np.ndarray:
+def decode_video_segment(path: Path, timestamps: Sequence[float], tolerance_s: float,
+                         name: str | None = None) -> np.ndarray:
     """Frames of an mp4 nearest to each timestamp (seconds in the file), as uint8 [N, H, W, 3].
 
     Seeks to the keyframe before the first timestamp and decodes forward past the last one (as
-    LeRobot's pyav backend does); every timestamp must have a frame within `tolerance_s`.
+    LeRobot's pyav backend does); every timestamp must have a frame within `tolerance_s`. Errors
+    name the file as `name` (by default its path).
     """
     import av
 
+    name = name if name is not None else str(path)
     ts = np.asarray(timestamps, dtype=np.float64)
     first, last = float(ts.min()), float(ts.max())
     frames, got = [], []
@@ -321,18 +336,19 @@ def decode_video_segment(path: Path, timestamps: Sequence[float], tolerance_s: f
                 if t >= last - tolerance_s:
                     break
     except FileNotFoundError:
-        raise DatasetFormatError(f"{path}: video file missing") from None
-    except av.error.FFmpegError as e:
-        raise DatasetFormatError(f"{path}: cannot decode ({e})") from None
+        raise DatasetFormatError(f"{name}: video file missing") from None
+    except (av.error.FFmpegError, OSError, IndexError) as e:
+        msg = str(e).replace(str(path), name)
+        raise DatasetFormatError(f"{name}: cannot decode ({msg})") from None
     if not frames:
-        raise DatasetFormatError(f"{path}: no frames decoded in [{first:.4f}, {last:.4f}] s")
+        raise DatasetFormatError(f"{name}: no frames decoded in [{first:.4f}, {last:.4f}] s")
     got = np.asarray(got)
     nearest = np.abs(ts[:, None] - got[None, :]).argmin(1)
     err = np.abs(got[nearest] - ts)
     if (err > tolerance_s).any():
         bad = int(err.argmax())
         raise DatasetFormatError(
-            f"{path}: no frame within {tolerance_s} s of t={ts[bad]:.6f} s (nearest {got[nearest[bad]]:.6f} s)")
+            f"{name}: no frame within {tolerance_s} s of t={ts[bad]:.6f} s (nearest {got[nearest[bad]]:.6f} s)")
     return np.stack([frames[i] for i in nearest])
 
 
@@ -463,133 +479,243 @@ class LeRobotDataset(EpisodeDataset):
     cache of `video_cache_mb`; size it to the decoded dataset for random-access training or
     sampling will decode episodes repeatedly. `tolerance_s` is LeRobot's: a frame's timestamp must
     match a decoded video frame to within it.
+
+    The reader opens only files inside the dataset's own directory: every path its files name
+    (meta/info.json's `data_path` / `video_path` templates filled in for each episode, the fixed
+    metadata files, image cells' paths) must stay inside it once symbolic links are resolved, and
+    the templates take only LeRobot's fields, checked when the dataset is opened. Errors name files
+    relative to the dataset's root (`data/chunk-000/file-000.parquet: no column 'action'`), never
+    the machine's absolute paths.
     """
 
     def __init__(self, root: str | Path, *, tolerance_s: float = 1e-4, video_cache_mb: float = 512,
                  data_cache_mb: float = 256):
         self.root = Path(root)
-        self.source = str(self.root)
-        if not (self.root / INFO_PATH).is_file():
-            raise DatasetFormatError(f"{self.root}: no {INFO_PATH}; not a LeRobot dataset")
-        self.info = _read_json(self.root / INFO_PATH)
+        self.real_root = Path(os.path.realpath(self.root))  # what "inside the dataset" means
+        self.source = INFO_PATH  # features, totals and episodes: what errors about the whole dataset name
+        self._real: dict[str, Path] = {}  # relative path -> checked real path
+        info = self._path(INFO_PATH)
+        if not is_file(info):
+            raise DatasetFormatError(f"{self.root.name}: no {INFO_PATH}; not a LeRobot dataset")
+        self.info = _read_json(info, INFO_PATH)
+        if not isinstance(self.info, dict):
+            raise DatasetFormatError(f"{INFO_PATH}: expected a JSON object")
         for req in ("codebase_version", "fps", "features"):
             if req not in self.info:
-                raise DatasetFormatError(f"{self.root / INFO_PATH}: no {req!r} field")
+                raise DatasetFormatError(f"{INFO_PATH}: no {req!r} field")
         self.version = str(self.info["codebase_version"])
         if self.version != CODEBASE_VERSION and self.version not in LEGACY_VERSIONS:
-            raise DatasetFormatError(f"{self.root / INFO_PATH}: codebase_version {self.version!r} is not supported "
+            raise DatasetFormatError(f"{INFO_PATH}: codebase_version {short(self.version, 40)} is not supported "
                                      f"(reads {CODEBASE_VERSION} and {', '.join(LEGACY_VERSIONS)})")
         self.fps = self.info["fps"]
+        if isinstance(self.fps, bool) or not isinstance(self.fps, (int, float)) or not self.fps > 0:
+            raise DatasetFormatError(f"{INFO_PATH}: fps must be a positive number, got {short(self.fps, 40)}")
         self.features = self.info["features"]
+        if not isinstance(self.features, dict) or not all(isinstance(v, dict) for v in self.features.values()):
+            raise DatasetFormatError(f"{INFO_PATH}: features must map each feature name to its spec (an object)")
         self.robot_type = self.info.get("robot_type")
         self.tolerance_s = float(tolerance_s)
         self._frames = ByteLRU(int(video_cache_mb * 2 ** 20))
         self._columns = ByteLRU(int(data_cache_mb * 2 ** 20))
         self._stats: dict | None = None
-        if self.version == CODEBASE_VERSION:
-            self.stats_source = f"{self.root / STATS_PATH}"
+        legacy = self.version != CODEBASE_VERSION
+        fields = LEGACY_TEMPLATE_FIELDS if legacy else V3_TEMPLATE_FIELDS
+        # the path templates: checked here, so a dataset naming files outside itself never opens
+        self.data_template = PathTemplate(self.info.get("data_path") or (LEGACY_DATA_PATH if legacy else DATA_PATH),
+                                          fields, f"{INFO_PATH}: data_path")
+        self.video_template = PathTemplate(
+            self.info.get("video_path") or (LEGACY_VIDEO_PATH if legacy else VIDEO_PATH), fields,
+            f"{INFO_PATH}: video_path")
+        stats = self._path(STATS_PATH)  # a link out of the dataset is refused now, not when statistics are read
+        if not legacy:
+            self.stats_source = STATS_PATH
             self.tasks = self._load_tasks_v3()
             self.episodes = self._load_episodes_v3()
         else:
-            self.stats_source = (f"{self.root / STATS_PATH}" if (self.root / STATS_PATH).is_file()
-                                 else f"{self.root / LEGACY_EPISODES_STATS_PATH}")
+            legacy_stats = self._path(LEGACY_EPISODES_STATS_PATH)
+            self.stats_source = STATS_PATH if is_file(stats) or not is_file(legacy_stats) \
+                else LEGACY_EPISODES_STATS_PATH
             self.tasks = self._load_tasks_v2()
             self.episodes = self._load_episodes_v2()
         total = self.info.get("total_episodes")
         if total is not None and total != len(self.episodes):
-            raise DatasetFormatError(f"{self.root / INFO_PATH}: total_episodes is {total} but the episode "
+            raise DatasetFormatError(f"{INFO_PATH}: total_episodes is {short(total, 40)} but the episode "
                                      f"metadata lists {len(self.episodes)}")
         self._starts = np.cumsum([0] + [e.length for e in self.episodes])
 
+    # ---- the dataset's own files ----
+    def _path(self, rel: str, what: str | None = None) -> Path:
+        """The real path of `rel` (relative to the root), which must lie inside the dataset."""
+        real = self._real.get(rel)
+        if real is None:
+            real = self._real[rel] = resolve_inside(self.real_root, rel, what or short(rel))
+        return real
+
+    def _scrub(self, e: BaseException) -> str:
+        return scrub(str(e), self.real_root)
+
+    def _filled(self, template: PathTemplate, where: str, episode: int, **values) -> str:
+        """A path template filled in for one episode, checked to lie inside the dataset."""
+        try:
+            rel = template.fill(**values)
+        except ValueError as e:
+            raise DatasetFormatError(f"{where}: {e}") from None
+        self._path(rel, f"{template.where} {short(template.template)} (episode {episode}: {short(rel)})")
+        return rel
+
+    @staticmethod
+    def _index(row: Mapping, key: str, where: str) -> int:
+        v = row[key]
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or not 0 <= v < MAX_INDEX:
+            raise DatasetFormatError(f"{where}: {key!r} must be an integer in [0, {MAX_INDEX}), got {short(v, 40)}")
+        return int(v)
+
     # ---- metadata ----
     def _load_tasks_v3(self) -> list[str]:
-        path = self.root / TASKS_PATH
-        if not path.is_file():
-            raise DatasetFormatError(f"{path}: file missing")
-        t = pq.read_table(path)
+        path = self._path(TASKS_PATH)
+        if not is_file(path):
+            raise DatasetFormatError(f"{TASKS_PATH}: file missing")
+        try:
+            t = pq.read_table(path)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise DatasetFormatError(f"{TASKS_PATH}: cannot read ({self._scrub(e)})") from None
         names = t.column_names
         text_col = "task" if "task" in names else "__index_level_0__" if "__index_level_0__" in names else None
         if "task_index" not in names or text_col is None:
-            raise DatasetFormatError(f"{path}: expected a 'task' index and a 'task_index' column, got {names}")
-        return self._task_list(t.column("task_index").to_pylist(), t.column(text_col).to_pylist(), path)
+            raise DatasetFormatError(f"{TASKS_PATH}: expected a 'task' index and a 'task_index' column, got {names}")
+        return self._task_list(t.column("task_index").to_pylist(), t.column(text_col).to_pylist(), TASKS_PATH)
 
     def _load_tasks_v2(self) -> list[str]:
-        path = self.root / LEGACY_TASKS_PATH
-        rows = _read_jsonl(path)
-        return self._task_list([r["task_index"] for r in rows], [r["task"] for r in rows], path)
+        rows = _read_jsonl(self._path(LEGACY_TASKS_PATH), LEGACY_TASKS_PATH)
+        try:
+            return self._task_list([r["task_index"] for r in rows], [r["task"] for r in rows], LEGACY_TASKS_PATH)
+        except KeyError as e:
+            raise DatasetFormatError(f"{LEGACY_TASKS_PATH}: a line has no {e.args[0]!r}") from None
 
     @staticmethod
-    def _task_list(indices, texts, path) -> list[str]:
-        out: list[str | None] = [None] * (max(indices) + 1 if indices else 0)
+    def _task_list(indices, texts, name: str) -> list[str]:
+        n = len(indices)
+        out: list[str | None] = [None] * n
         for i, s in zip(indices, texts):
-            out[int(i)] = s
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n or not isinstance(s, str):
+                raise DatasetFormatError(f"{name}: task indices are not contiguous from 0, or a task is not a "
+                                         f"string (task_index {short(i, 40)})")
+            out[i] = s
         if any(s is None for s in out):
-            raise DatasetFormatError(f"{path}: task indices are not contiguous from 0: {sorted(indices)}")
+            raise DatasetFormatError(f"{name}: task indices are not contiguous from 0: {sorted(indices)[:20]}")
         return out  # type: ignore[return-value]
 
+    def _episode_files_v3(self) -> list[str]:
+        """meta/episodes/chunk-*/file-*.parquet, relative to the root; each directory is checked to be
+        inside the dataset before it is listed."""
+        top = self._path(EPISODES_DIR)
+        out = []
+        if is_dir(top):
+            for chunk in listdir(top, EPISODES_DIR):
+                if not fnmatch.fnmatchcase(chunk, "chunk-*"):
+                    continue
+                rel = f"{EPISODES_DIR}/{chunk}"
+                d = self._path(rel)
+                if is_dir(d):
+                    out += [f"{rel}/{f}" for f in listdir(d, rel) if fnmatch.fnmatchcase(f, "file-*.parquet")]
+        return out
+
     def _load_episodes_v3(self) -> list[EpisodeInfo]:
-        files = sorted((self.root / EPISODES_DIR).glob("chunk-*/file-*.parquet"))
+        files = self._episode_files_v3()
         if not files:
-            raise DatasetFormatError(f"{self.root / EPISODES_DIR}: no episode metadata files "
+            raise DatasetFormatError(f"{EPISODES_DIR}: no episode metadata files "
                                      f"({EPISODES_PATH.format(chunk_index=0, file_index=0)} expected)")
         rows = []
-        for f in files:
-            cols = [c for c in pq.read_schema(f).names if not c.startswith("stats/")]
-            rows.extend(pq.read_table(f, columns=cols).to_pylist())
-        rows.sort(key=lambda r: r["episode_index"])
-        data_tpl = self.info.get("data_path", DATA_PATH)
-        video_tpl = self.info.get("video_path") or VIDEO_PATH
+        for rel in files:
+            path = self._path(rel)
+            try:
+                cols = [c for c in pq.read_schema(path).names if not c.startswith("stats/")]
+                table = pq.read_table(path, columns=cols)
+            except (pa.ArrowException, OSError, ValueError) as e:
+                raise DatasetFormatError(f"{rel}: cannot read ({self._scrub(e)})") from None
+            if "episode_index" not in cols:
+                raise DatasetFormatError(f"{rel}: no column 'episode_index'")
+            rows += [(self._index(r, "episode_index", rel), rel, r) for r in table.to_pylist()]
+        rows.sort(key=lambda x: x[0])
         video_keys = [k for k, ft in self.features.items() if ft.get("dtype") == "video"]
         out = []
-        for pos, r in enumerate(rows):
-            where = f"{self.root / EPISODES_DIR} (episode {r.get('episode_index')})"
-            if r["episode_index"] != pos:
-                raise DatasetFormatError(f"{where}: episode indices are not 0..N-1")
+        for pos, (index, rel, r) in enumerate(rows):
+            where = f"{rel} (episode {index})"
+            if index != pos:
+                raise DatasetFormatError(f"{EPISODES_DIR}: episode indices are not 0..N-1 (episode {index} "
+                                         f"where {pos} belongs)")
             try:
-                videos = {k: VideoSegment(video_tpl.format(video_key=k, chunk_index=r[f"videos/{k}/chunk_index"],
-                                                           file_index=r[f"videos/{k}/file_index"]),
-                                          float(r[f"videos/{k}/from_timestamp"]), float(r[f"videos/{k}/to_timestamp"]))
-                          for k in video_keys}
+                videos = {}
+                for k in video_keys:
+                    c = f"videos/{k}/"
+                    seg = self._filled(self.video_template, where, pos, video_key=k,
+                                       chunk_index=self._index(r, c + "chunk_index", where),
+                                       file_index=self._index(r, c + "file_index", where))
+                    videos[k] = VideoSegment(seg, float(r[c + "from_timestamp"]), float(r[c + "to_timestamp"]))
+                data = self._filled(self.data_template, where, pos,
+                                    chunk_index=self._index(r, "data/chunk_index", where),
+                                    file_index=self._index(r, "data/file_index", where))
                 out.append(EpisodeInfo(
-                    index=pos, length=int(r["length"]), tasks=tuple(r.get("tasks") or ()),
+                    index=pos, length=self._index(r, "length", where), tasks=tuple(r.get("tasks") or ()),
                     dataset_from_index=int(r["dataset_from_index"]), dataset_to_index=int(r["dataset_to_index"]),
-                    data_path=data_tpl.format(chunk_index=r["data/chunk_index"], file_index=r["data/file_index"]),
-                    videos=videos))
+                    data_path=data, videos=videos))
+            except DatasetError:
+                raise
             except KeyError as e:
                 raise DatasetFormatError(f"{where}: no column {e.args[0]!r}") from None
+            except (TypeError, ValueError) as e:
+                raise DatasetFormatError(f"{where}: a value of the wrong type ({e})") from None
         return out
 
     def _load_episodes_v2(self) -> list[EpisodeInfo]:
-        rows = sorted(_read_jsonl(self.root / LEGACY_EPISODES_PATH), key=lambda r: r["episode_index"])
-        chunks = int(self.info.get("chunks_size", DEFAULT_CHUNK_SIZE))
-        data_tpl = self.info.get("data_path", LEGACY_DATA_PATH)
-        video_tpl = self.info.get("video_path") or LEGACY_VIDEO_PATH
+        name = LEGACY_EPISODES_PATH
+        rows = _read_jsonl(self._path(name), name)
+        chunks = self.info.get("chunks_size", DEFAULT_CHUNK_SIZE)
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks <= 0:
+            raise DatasetFormatError(f"{INFO_PATH}: chunks_size must be a positive integer, got {short(chunks, 40)}")
+        try:
+            rows = sorted(((self._index(r, "episode_index", name), r) for r in rows), key=lambda x: x[0])
+        except KeyError as e:
+            raise DatasetFormatError(f"{name}: a line has no {e.args[0]!r}") from None
         video_keys = [k for k, ft in self.features.items() if ft.get("dtype") == "video"]
         out, start = [], 0
-        for r in rows:
-            ep, n = int(r["episode_index"]), int(r["length"])
+        for pos, (ep, r) in enumerate(rows):
+            where = f"{name} (episode {ep})"
+            if ep != pos:
+                raise DatasetFormatError(f"{name}: episode indices are not 0..N-1")
+            try:
+                n = self._index(r, "length", where)
+            except KeyError:
+                raise DatasetFormatError(f"{where}: no 'length'") from None
             chunk = ep // chunks
-            videos = {k: VideoSegment(video_tpl.format(episode_chunk=chunk, video_key=k, episode_index=ep), 0.0,
-                                      n / self.fps) for k in video_keys}
-            out.append(EpisodeInfo(ep, n, tuple(r.get("tasks") or ()), start, start + n,
-                                   data_tpl.format(episode_chunk=chunk, episode_index=ep), videos))
+            videos = {k: VideoSegment(self._filled(self.video_template, where, ep, episode_chunk=chunk, video_key=k,
+                                                   episode_index=ep), 0.0, n / self.fps) for k in video_keys}
+            tasks = r.get("tasks") or ()
+            out.append(EpisodeInfo(ep, n, tuple(tasks) if isinstance(tasks, list) else (str(tasks),), start,
+                                   start + n, self._filled(self.data_template, where, ep, episode_chunk=chunk,
+                                                           episode_index=ep), videos))
             start += n
-        if [e.index for e in out] != list(range(len(out))):
-            raise DatasetFormatError(f"{self.root / LEGACY_EPISODES_PATH}: episode indices are not 0..N-1")
         return out
 
     @property
     def stats(self) -> dict[str, dict[str, np.ndarray]]:
         if self._stats is None:
-            path = self.root / STATS_PATH
-            if path.is_file():
-                self._stats = _as_arrays(_read_json(path))
-            elif self.version != CODEBASE_VERSION and (self.root / LEGACY_EPISODES_STATS_PATH).is_file():
-                rows = _read_jsonl(self.root / LEGACY_EPISODES_STATS_PATH)
-                self._stats = aggregate_stats([_as_arrays(r["stats"]) for r in rows])
+            path = self._path(STATS_PATH)
+            if is_file(path):
+                raw = _read_json(path, STATS_PATH)
+                if not isinstance(raw, dict):
+                    raise DatasetFormatError(f"{STATS_PATH}: expected a JSON object")
+                self._stats = _as_arrays(raw)
+            elif self.version != CODEBASE_VERSION and is_file(self._path(LEGACY_EPISODES_STATS_PATH)):
+                rows = _read_jsonl(self._path(LEGACY_EPISODES_STATS_PATH), LEGACY_EPISODES_STATS_PATH)
+                try:
+                    self._stats = aggregate_stats([_as_arrays(r["stats"]) for r in rows])
+                except (KeyError, TypeError, ValueError, AttributeError) as e:
+                    raise DatasetFormatError(f"{LEGACY_EPISODES_STATS_PATH}: not per-episode statistics "
+                                             f"({type(e).__name__}: {e})") from None
             else:
-                raise MissingKeyError(f"{self.root}: no {STATS_PATH}" + (
-                    "" if self.version == CODEBASE_VERSION else f" and no {LEGACY_EPISODES_STATS_PATH}"))
+                raise MissingKeyError(f"{STATS_PATH} missing" + (
+                    "" if self.version == CODEBASE_VERSION else f" and {LEGACY_EPISODES_STATS_PATH} missing"))
         return self._stats
 
     @property
@@ -620,18 +746,19 @@ class LeRobotDataset(EpisodeDataset):
         if cached is not None:
             return cached.cols
         ep = self.episodes[i]
-        path = self.root / ep.data_path
-        if not path.is_file():
-            raise DatasetFormatError(f"{path}: data file of episode {i} missing")
+        path = self._path(ep.data_path)
+        if not is_file(path):
+            raise DatasetFormatError(f"{ep.data_path}: data file of episode {i} missing")
         try:
             if "episode_index" in pq.read_schema(path).names:
                 table = pq.read_table(path, filters=[("episode_index", "=", i)])
             else:  # one episode per file (v2.x) without the column
                 table = pq.read_table(path)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise DatasetFormatError(f"{path}: cannot read ({e})") from None
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise DatasetFormatError(f"{ep.data_path}: cannot read ({self._scrub(e)})") from None
         if table.num_rows != ep.length:
-            raise DatasetFormatError(f"{path}: episode {i} has {table.num_rows} rows, its metadata says {ep.length}")
+            raise DatasetFormatError(f"{ep.data_path}: episode {i} has {table.num_rows} rows, its metadata says "
+                                     f"{ep.length}")
         if "frame_index" in table.column_names:
             order = np.argsort(table.column("frame_index").to_numpy(), kind="stable")
             if (order != np.arange(len(order))).any():
@@ -640,7 +767,8 @@ class LeRobotDataset(EpisodeDataset):
         for name in table.column_names:
             ft = self.features.get(name, {})
             if ft.get("dtype") == "image":
-                cols[name] = _decode_png_column(table.column(name), self.root)
+                cols[name] = _decode_png_column(table.column(name), self.real_root,
+                                                f"{ep.data_path}: column {name!r}")
             else:
                 cols[name] = _column_to_numpy(table.column(name), ft.get("shape"))
         self._columns.put(key, _Cols(cols))
@@ -656,7 +784,7 @@ class LeRobotDataset(EpisodeDataset):
             raise DatasetError(f"{self.source}: {key!r} is a camera; use episode_images")
         cols = self._episode_columns(i)
         if key not in cols:
-            raise DatasetFormatError(f"{self.root / self.episodes[i].data_path}: no column {key!r}")
+            raise DatasetFormatError(f"{self.episodes[i].data_path}: no column {key!r}")
         return cols[key]
 
     def episode_images(self, i: int, key: str) -> np.ndarray:
@@ -665,7 +793,7 @@ class LeRobotDataset(EpisodeDataset):
         if dtype == "image":
             cols = self._episode_columns(i)
             if key not in cols:
-                raise DatasetFormatError(f"{self.root / self.episodes[i].data_path}: no column {key!r}")
+                raise DatasetFormatError(f"{self.episodes[i].data_path}: no column {key!r}")
             return cols[key]
         if dtype != "video":
             raise DatasetError(f"{self.source}: {key!r} is not a camera (dtype {dtype!r})")
@@ -676,8 +804,8 @@ class LeRobotDataset(EpisodeDataset):
         seg = ep.videos[key]
         cols = self._episode_columns(i)
         rel = cols["timestamp"] if "timestamp" in cols else np.arange(ep.length) / self.fps
-        frames = decode_video_segment(self.root / seg.path, seg.from_timestamp + np.asarray(rel, np.float64),
-                                      self.tolerance_s)
+        frames = decode_video_segment(self._path(seg.path), seg.from_timestamp + np.asarray(rel, np.float64),
+                                      self.tolerance_s, name=seg.path)
         frames.setflags(write=False)
         self._frames.put((i, key), frames)
         return frames
@@ -687,12 +815,13 @@ class LeRobotDataset(EpisodeDataset):
         if "task_index" in cols:
             try:
                 return [self.tasks[int(t)] for t in cols["task_index"]]
-            except IndexError:
-                raise DatasetFormatError(f"{self.root / self.episodes[i].data_path}: a task_index of episode {i} "
+            except (IndexError, TypeError, ValueError):
+                raise DatasetFormatError(f"{self.episodes[i].data_path}: a task_index of episode {i} "
                                          f"is not in the task table ({len(self.tasks)} tasks)") from None
         tasks = self.episodes[i].tasks
         if not tasks:
-            raise DatasetFormatError(f"{self.source}: episode {i} has neither task_index nor tasks")
+            raise DatasetFormatError(f"{self.episodes[i].data_path}: episode {i} has neither a task_index column "
+                                     f"nor tasks in its metadata")
         return [tasks[0]] * self.episodes[i].length
 
     def episode(self, i: int) -> Episode:
@@ -726,386 +855,3 @@ class _Cols:
     @property
     def nbytes(self) -> int:
         return sum(int(getattr(v, "nbytes", 0)) for v in self.cols.values())
-
-
-# ---- writer ---------------------------------------------------------------------------------------
-
-class _VideoFile:
-    """One open mp4 of one camera, episodes appended back to back."""
-
-    def __init__(self, path: Path, fps: int, width: int, height: int, codec: str, pix_fmt: str,
-                 options: dict[str, str]):
-        import av
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self.container = av.open(str(path), "w")
-        self.stream = self.container.add_stream(codec, rate=fps, options=options)
-        self.stream.pix_fmt = pix_fmt
-        self.stream.width, self.stream.height = width, height
-        self.time_base = Fraction(1, fps)
-        self.frames = 0
-        self.bytes = 0  # of the packets muxed so far (the file on disk lags behind the muxer)
-
-    def add(self, images: np.ndarray) -> None:
-        import av
-
-        for img in images:
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
-            frame.pts, frame.time_base = self.frames, self.time_base
-            for packet in self.stream.encode(frame):
-                self.bytes += packet.size
-                self.container.mux(packet)
-            self.frames += 1
-
-    def size_mb(self) -> float:
-        return self.bytes / 2 ** 20
-
-    def close(self) -> None:
-        for packet in self.stream.encode():
-            self.container.mux(packet)
-        self.container.close()
-
-
-def _next_file(chunk: int, file: int, chunks_size: int) -> tuple[int, int]:
-    return (chunk + 1, 0) if file == chunks_size - 1 else (chunk, file + 1)
-
-
-class LeRobotWriter:
-    """Write a LeRobot v3.0 dataset, one episode at a time.
-
-    features: LeRobot feature specs, e.g. {"observation.state": {"dtype": "float32", "shape": [4]},
-    "observation.images.top": {"dtype": "video", "shape": [H, W, 3]}, "action": {...}}. Numeric features
-    have shape [] / [1] (a scalar) or [D]; "video" features are encoded to mp4 (lossy: libx264,
-    yuv420p, `crf`; H and W must be even), "image" features are stored inline as PNG (lossless).
-    The per-frame columns timestamp, frame_index, episode_index, index and task_index are added.
-
-    Everything is written under a staging directory next to `root`, which `finalize()` renames to
-    `root`: a reader sees the whole dataset or none of it. Use as a context manager to finalize on
-    success and discard the staging directory on an exception.
-    """
-
-    def __init__(self, root: str | Path, fps: int, features: Mapping[str, Mapping], robot_type: str | None = None,
-                 *, codec: str = "libx264", pix_fmt: str = "yuv420p", crf: int = 18, gop: int = 2,
-                 encoder_threads: int = 1, chunks_size: int = DEFAULT_CHUNK_SIZE,
-                 data_files_size_in_mb: float = DEFAULT_DATA_FILE_SIZE_IN_MB,
-                 video_files_size_in_mb: float = DEFAULT_VIDEO_FILE_SIZE_IN_MB, overwrite: bool = False):
-        self.root = Path(root)
-        if not isinstance(fps, int) or fps <= 0:
-            raise DatasetError(f"fps: expected a positive int, got {fps!r}")
-        if self.root.exists() and any(self.root.iterdir()) and not overwrite:
-            raise DatasetError(f"{self.root}: exists and is not empty (pass overwrite=True to replace it)")
-        self.fps, self.robot_type = fps, robot_type
-        self.features = self._check_features(features)
-        self.codec, self.pix_fmt = codec, pix_fmt
-        self.video_options = {"crf": str(crf), "g": str(gop), "threads": str(encoder_threads)}
-        if codec not in ("libx264", "h264", "libx265", "hevc"):
-            self.video_options = {"g": str(gop), "threads": str(encoder_threads)}
-        self.chunks_size = int(chunks_size)
-        self.data_mb, self.video_mb = float(data_files_size_in_mb), float(video_files_size_in_mb)
-        self.overwrite = overwrite
-        self.root.parent.mkdir(parents=True, exist_ok=True)
-        self.stage = self.root.parent / f".{self.root.name}.writing-{uuid.uuid4().hex[:8]}"
-        self.stage.mkdir()
-        self._tasks: dict[str, int] = {}
-        self._episodes: list[dict] = []
-        self._numeric: dict[str, list[np.ndarray]] = {k: [] for k, ft in self._all_features().items()
-                                                      if ft["dtype"] in _NUMERIC_DTYPES}
-        self._image_stats: dict[str, list[dict]] = {k: [] for k in self.camera_keys}
-        self._data_writer: pq.ParquetWriter | None = None
-        self._data_loc = (0, 0)
-        self._data_frames_in_file = 0
-        self._videos: dict[str, _VideoFile] = {}
-        self._video_loc: dict[str, tuple[int, int]] = {}
-        self._video_info: dict[str, dict] = {}
-        self._frames = 0
-        self._closed = False
-
-    # ---- features ----
-    @staticmethod
-    def _check_features(features: Mapping[str, Mapping]) -> dict[str, dict]:
-        out = {}
-        for key, ft in features.items():
-            if key in DEFAULT_FEATURES or key == "task":
-                raise DatasetError(f"features[{key!r}]: reserved, the writer fills it in")
-            if "/" in key:
-                raise DatasetError(f"features[{key!r}]: '/' is not allowed in a feature name")
-            dtype = ft.get("dtype")
-            shape = list(ft.get("shape", []))
-            if dtype in CAMERA_DTYPES:
-                if len(shape) != 3 or shape[2] != 3:
-                    raise DatasetError(f"features[{key!r}]: a camera needs shape [H, W, 3], got {shape}")
-                out[key] = {"dtype": dtype, "shape": shape,
-                            "names": list(ft.get("names") or ["height", "width", "channels"])}
-            elif dtype in _NUMERIC_DTYPES or dtype == "string":
-                if len(shape) > 1:
-                    raise DatasetError(f"features[{key!r}]: shape {shape}: only scalars and vectors are supported")
-                out[key] = {"dtype": dtype, "shape": shape or [1], "names": ft.get("names")}
-            else:
-                raise DatasetError(f"features[{key!r}]: dtype {dtype!r} not supported "
-                                   f"(one of {', '.join(_NUMERIC_DTYPES + CAMERA_DTYPES + ('string',))})")
-        return out
-
-    def _all_features(self) -> dict[str, dict]:
-        return {**self.features, **{k: dict(v) for k, v in DEFAULT_FEATURES.items()}}
-
-    @property
-    def camera_keys(self) -> list[str]:
-        return [k for k, ft in self.features.items() if ft["dtype"] in CAMERA_DTYPES]
-
-    @property
-    def video_keys(self) -> list[str]:
-        return [k for k, ft in self.features.items() if ft["dtype"] == "video"]
-
-    @property
-    def num_episodes(self) -> int:
-        return len(self._episodes)
-
-    # ---- episodes ----
-    def add_episode(self, frames: Mapping[str, Any], task: str) -> int:
-        """Append one episode: every feature as an array of T frames; returns its episode index."""
-        if self._closed:
-            raise DatasetError(f"{self.root}: writer already finalized or aborted")
-        if not isinstance(task, str) or not task:
-            raise DatasetError("task: expected a non-empty string")
-        arrays = self._check_frames(frames)
-        ep = len(self._episodes)
-        t = len(next(iter(arrays.values())))
-        task_index = self._tasks.setdefault(task, len(self._tasks))
-        cols = dict(arrays)
-        cols["timestamp"] = (np.arange(t) / self.fps).astype(np.float32)
-        cols["frame_index"] = np.arange(t, dtype=np.int64)
-        cols["episode_index"] = np.full(t, ep, dtype=np.int64)
-        cols["index"] = np.arange(self._frames, self._frames + t, dtype=np.int64)
-        cols["task_index"] = np.full(t, task_index, dtype=np.int64)
-
-        meta: dict[str, Any] = {"episode_index": ep, "tasks": [task], "length": t}
-        meta.update(self._write_data(cols, t))
-        for key in self.video_keys:
-            meta.update(self._write_video(key, arrays[key]))
-        ep_stats = {}
-        for key, ft in self._all_features().items():
-            if ft["dtype"] in _NUMERIC_DTYPES:
-                ep_stats[key] = feature_stats(cols[key])
-                self._numeric[key].append(cols[key])
-            elif ft["dtype"] in CAMERA_DTYPES:
-                ep_stats[key] = image_stats(arrays[key])
-                self._image_stats[key].append(ep_stats[key])
-        for key, st in ep_stats.items():
-            for name, v in st.items():
-                meta[f"stats/{key}/{name}"] = np.asarray(v).tolist()
-        meta["meta/episodes/chunk_index"], meta["meta/episodes/file_index"] = 0, 0
-        self._episodes.append(meta)
-        self._frames += t
-        return ep
-
-    def _check_frames(self, frames: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        extra = set(frames) - set(self.features)
-        missing = set(self.features) - set(frames)
-        if extra or missing:
-            raise DatasetError(f"frames: keys differ from the features: missing {_have(missing)}, "
-                               f"unexpected {_have(extra)}")
-        out, lengths = {}, {}
-        for key, ft in self.features.items():
-            v = frames[key]
-            if hasattr(v, "detach"):  # a torch tensor
-                v = v.detach().cpu().numpy()
-            if ft["dtype"] == "string":
-                a = np.asarray(list(v), dtype=object)
-            else:
-                a = np.asarray(v)
-            if a.ndim == 0:
-                raise DatasetError(f"frames[{key!r}]: expected an array of T frames, got a scalar")
-            lengths[key] = a.shape[0]
-            if ft["dtype"] in CAMERA_DTYPES:
-                if a.dtype != np.uint8 or a.ndim != 4 or list(a.shape[1:]) != ft["shape"]:
-                    raise DatasetError(f"frames[{key!r}]: expected uint8 [T, {', '.join(map(str, ft['shape']))}], "
-                                       f"got {a.dtype} {list(a.shape)}")
-                if ft["dtype"] == "video" and self.pix_fmt == "yuv420p" and (a.shape[1] % 2 or a.shape[2] % 2):
-                    raise DatasetError(f"frames[{key!r}]: {self.pix_fmt} video needs an even height and width, "
-                                       f"got {a.shape[1]}x{a.shape[2]}")
-            elif ft["dtype"] != "string":
-                want = ft["shape"]
-                if want == [1] and a.ndim == 2 and a.shape[1] == 1:
-                    a = a[:, 0]
-                if (want == [1] and a.ndim != 1) or (want != [1] and list(a.shape[1:]) != want):
-                    raise DatasetError(f"frames[{key!r}]: expected shape [T, {', '.join(map(str, want))}], "
-                                       f"got {list(a.shape)}")
-                if a.dtype.kind == "f" and not np.isfinite(a).all():
-                    raise DatasetError(f"frames[{key!r}]: contains NaN or infinite values")
-                a = a.astype(ft["dtype"])
-            out[key] = a
-        if len(set(lengths.values())) != 1:
-            raise DatasetError(f"frames: features have different lengths: {lengths}")
-        if next(iter(lengths.values())) == 0:
-            raise DatasetError("frames: an episode needs at least one frame")
-        return out
-
-    def _arrow_column(self, key: str, values: np.ndarray) -> pa.Array:
-        ft = self._all_features()[key]
-        if ft["dtype"] == "string":
-            return pa.array(list(values), pa.string())
-        if ft["dtype"] == "image":
-            return _png_column(values)
-        if ft["shape"] == [1]:
-            return pa.array(values.reshape(-1))
-        return pa.FixedSizeListArray.from_arrays(pa.array(values.reshape(-1)), ft["shape"][0])
-
-    def _write_data(self, cols: dict[str, np.ndarray], t: int) -> dict:
-        keys = [k for k, ft in self._all_features().items() if ft["dtype"] != "video"]
-        table = pa.table({k: self._arrow_column(k, cols[k]) for k in keys})
-        chunk, file = self._data_loc
-        if self._data_writer is not None and self._data_frames_in_file:
-            size = (self.stage / DATA_PATH.format(chunk_index=chunk, file_index=file)).stat().st_size / 2 ** 20
-            if size + size / self._data_frames_in_file * t >= self.data_mb:
-                self._data_writer.close()
-                self._data_writer = None
-                chunk, file = self._data_loc = _next_file(chunk, file, self.chunks_size)
-                self._data_frames_in_file = 0
-        if self._data_writer is None:
-            path = self.stage / DATA_PATH.format(chunk_index=chunk, file_index=file)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._data_writer = pq.ParquetWriter(path, table.schema, compression="snappy")
-        self._data_writer.write_table(table)
-        self._data_frames_in_file += t
-        return {"data/chunk_index": chunk, "data/file_index": file,
-                "dataset_from_index": self._frames, "dataset_to_index": self._frames + t}
-
-    def _write_video(self, key: str, images: np.ndarray) -> dict:
-        t = len(images)
-        vf = self._videos.get(key)
-        if vf is not None and vf.frames:
-            size = vf.size_mb()
-            if size + size / vf.frames * t >= self.video_mb:
-                vf.close()
-                self._video_loc[key] = _next_file(*self._video_loc[key], self.chunks_size)
-                vf = None
-        if vf is None:
-            chunk, file = self._video_loc.setdefault(key, (0, 0))
-            path = self.stage / VIDEO_PATH.format(video_key=key, chunk_index=chunk, file_index=file)
-            vf = self._videos[key] = _VideoFile(path, self.fps, images.shape[2], images.shape[1], self.codec,
-                                                self.pix_fmt, self.video_options)
-        start = vf.frames
-        vf.add(images)
-        chunk, file = self._video_loc[key]
-        return {f"videos/{key}/chunk_index": chunk, f"videos/{key}/file_index": file,
-                f"videos/{key}/from_timestamp": start / self.fps, f"videos/{key}/to_timestamp": (start + t) / self.fps}
-
-    # ---- finalize ----
-    def finalize(self) -> Path:
-        """Close the files, write meta/ (info, stats, tasks, episodes) and move the dataset to `root`."""
-        if self._closed:
-            raise DatasetError(f"{self.root}: writer already finalized or aborted")
-        if not self._episodes:
-            self.abort()
-            raise DatasetError(f"{self.root}: no episodes were added; nothing written")
-        try:
-            if self._data_writer is not None:
-                self._data_writer.close()
-            for key, vf in self._videos.items():
-                vf.close()
-                self._video_info[key] = self._probe_video(vf.path)
-            self._write_meta()
-        except BaseException:
-            self.abort()
-            raise
-        self._closed = True
-        old = None
-        if self.root.exists():
-            old = self.root.parent / f".{self.root.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(self.root, old)
-        os.replace(self.stage, self.root)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-        return self.root
-
-    def _probe_video(self, path: Path) -> dict:
-        import av
-
-        with av.open(str(path)) as c:
-            s = c.streams.video[0]
-            return {"video.height": s.height, "video.width": s.width, "video.codec": s.codec_context.name,
-                    "video.pix_fmt": s.pix_fmt, "video.is_depth_map": False, "video.fps": self.fps,
-                    "video.channels": 3, "has_audio": False}
-
-    def _write_meta(self) -> None:
-        import pandas as pd  # tasks.parquet is a pandas frame with a named index, as LeRobot writes it
-
-        features = self._all_features()
-        for key, ft in features.items():
-            if ft["dtype"] == "video":
-                ft["info"] = self._video_info[key]
-        tasks = pd.DataFrame({"task_index": list(self._tasks.values())},
-                             index=pd.Index(list(self._tasks), name="task"))
-        path = self.stage / TASKS_PATH
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tasks.to_parquet(path)
-
-        stats = {}
-        for key, ft in features.items():
-            if ft["dtype"] in _NUMERIC_DTYPES:
-                stats[key] = feature_stats(np.concatenate(self._numeric[key]))
-            elif ft["dtype"] in CAMERA_DTYPES:
-                stats[key] = aggregate_stats([{key: s} for s in self._image_stats[key]])[key]
-        _write_json_atomic(_jsonable(stats), self.stage / STATS_PATH)
-
-        path = self.stage / EPISODES_PATH.format(chunk_index=0, file_index=0)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pq.write_table(pa.Table.from_pylist(self._episodes), path)
-
-        info = {
-            "codebase_version": CODEBASE_VERSION,
-            "robot_type": self.robot_type,
-            "total_episodes": len(self._episodes),
-            "total_frames": self._frames,
-            "total_tasks": len(self._tasks),
-            "chunks_size": self.chunks_size,
-            "data_files_size_in_mb": _num(self.data_mb),
-            "video_files_size_in_mb": _num(self.video_mb),
-            "fps": self.fps,
-            "splits": {"train": f"0:{len(self._episodes)}"},
-            "data_path": DATA_PATH,
-            "video_path": VIDEO_PATH if self.video_keys else None,
-            "features": features,
-        }
-        _write_json_atomic(info, self.stage / INFO_PATH)
-
-    def abort(self) -> None:
-        """Discard everything written so far; `root` is left as it was."""
-        self._closed = True
-        if self._data_writer is not None:
-            try:
-                self._data_writer.close()
-            except Exception:
-                pass
-        for vf in self._videos.values():
-            try:
-                vf.container.close()
-            except Exception:
-                pass
-        shutil.rmtree(self.stage, ignore_errors=True)
-
-    def __enter__(self) -> LeRobotWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            self.abort()
-        elif not self._closed:
-            self.finalize()
-
-
-def _num(x: float) -> int | float:
-    return int(x) if float(x).is_integer() else x
-
-
-def _png_column(images: np.ndarray) -> pa.Array:
-    """uint8 [T, H, W, 3] as the HF `Image` struct<bytes: binary, path: string> of PNG bytes."""
-    from PIL import Image
-
-    blobs = []
-    for img in images:
-        buf = io.BytesIO()
-        Image.fromarray(img).save(buf, format="PNG")
-        blobs.append({"bytes": buf.getvalue(), "path": None})
-    return pa.array(blobs, pa.struct([("bytes", pa.binary()), ("path", pa.string())]))

@@ -50,7 +50,7 @@ from vlamux.data.lerobot import DatasetError, DatasetFormatError
 from vlamux.envs import BACKENDS
 from vlamux.envs.base import EnvError, EnvSpec
 from vlamux.envs.workers import VectorEnv
-from vlamux.errors import InvalidInputError, VlamuxError
+from vlamux.errors import InvalidInputError, VlamuxError, public_message
 from vlamux.model.batch import Observation
 
 log = logging.getLogger(__name__)
@@ -467,11 +467,12 @@ class EnvironmentService:
             except TypeError as e:
                 raise InvalidInputError(f"options: {e}") from None
             except Exception as e:  # noqa: BLE001 - a reader's own failure, named with the path
-                raise DatasetFormatError(f"{path}: could not open the dataset ({type(e).__name__}: {e})") from None
+                raise DatasetFormatError(public_message(f"{path.name}: could not open the dataset "
+                                                        f"({type(e).__name__}: {e})")) from None
             sampler = ChunkSampler(ds, horizon, batch_size, dict(camera_map), state_key=state_key,
                                    action_key=action_key, seed=_seed(seed) or 0, episodes=episodes)
             if len(sampler) == 0:
-                raise DatasetError(f"{path}: batch_size {batch_size} is larger than the {sampler.num_samples} "
+                raise DatasetError(f"{path.name}: batch_size {batch_size} is larger than the {sampler.num_samples} "
                                    f"frames of the dataset")
             now, wall = time.monotonic(), time.time()
             d = _Dataset(id=self._id_prefix + uuid.uuid4().hex, tenant=tenant, root=str(path), dataset=ds, sampler=sampler,
