@@ -198,6 +198,7 @@ def _valid_request(method: str, path: str, w) -> dict:
         "POST /v1/training/slots/{policy_id}/optim_step": lambda: {"json": {"lr": 1e-4}},
         "POST /v1/training/slots/{policy_id}/save_state": lambda: {},
         "POST /v1/training/slots/{policy_id}/load_state": lambda: {"json": {"checkpoint_id": w.ids["checkpoint"]}},
+        "DELETE /v1/training/slots/{policy_id}": lambda: {},
         "POST /v1/sessions/{session_id}/reset": lambda: {"json": {"seed": 1}},
         "POST /v1/sessions/{session_id}/step": lambda: msg({"actions": np.zeros((2, 4), np.float32)}),
         "DELETE /v1/sessions/{session_id}": lambda: {},
@@ -232,7 +233,7 @@ PARAM_IDS = {"policy_id": ["slot", "job"], "job_id": ["job"], "future_id": ["fut
 # Calls that change A's resources irreversibly: A's own control call for these is made at the end.
 DESTRUCTIVE = {"DELETE /v1/sessions/{session_id}", "DELETE /v1/keys/{key_id}", "POST /v1/tenants/{tenant_id}/disable",
                "DELETE /v1/datasets/{name}", "DELETE /v1/policy-files/{name}", "POST /v1/uploads/{upload_id}/finish",
-               "DELETE /v1/uploads/{upload_id}"}
+               "DELETE /v1/uploads/{upload_id}", "DELETE /v1/training/slots/{policy_id}"}
 
 
 def id_calls(app, w):

@@ -218,8 +218,7 @@ def test_master_runs_an_sft_job_with_checkpoints_and_resumes(runtime, demos, tmp
     # a second service: the job's checkpoint says step 4 of 8; it resumes there, not from 0
     state = tmp_path / "sft-acme" / "state.json"
     state.write_text(json.dumps({"phase": "sft", "step": 4, "env_steps": 0}))
-    runtime.training.runner.remove_slot("sft-acme")
-    runtime._recipes.pop("sft-acme", None)
+    assert "sft-acme" not in runtime.training.tenants()  # the job freed its slot; the next one starts afresh
     job = master.wait(master.submit({**spec, "sft": {**spec["sft"], "steps": 8}, "eval": None}), 300)
     assert job.state == "succeeded", job.error
     rows = list(csv.DictReader((tmp_path / "sft-acme" / "metrics.csv").open()))
@@ -241,8 +240,7 @@ def test_master_runs_a_multi_task_rl_job_and_keeps_its_final_policy(runtime, tmp
     version = job.result["policy_version"]
     assert state["phase"] == "rl-done" and state["env_steps"] >= 64 and version >= 1
     # resubmitted (e.g. after a restart during the final evaluation): restored, not trained again
-    runtime.training.runner.remove_slot("mt")
-    runtime._recipes.pop("mt", None)
+    assert "mt" not in runtime.training.tenants()  # the job freed its slot; the next one starts afresh
     again = master.wait(master.submit(spec), 300)
     assert again.state == "succeeded", again.error
     assert "rl" not in again.result and again.result["policy_version"] == version
@@ -261,8 +259,7 @@ def test_a_resumed_job_keeps_the_evaluations_it_made_before_the_restart(runtime,
     assert first.state == "succeeded", first.error
     assert {"before", "after_sft", "after", "paired"} <= set(first.result)
     (tmp_path / "evals" / "state.json").write_text(json.dumps({"phase": "rl", "step": 0, "env_steps": 16}))
-    runtime.training.runner.remove_slot("evals")
-    runtime._recipes.pop("evals", None)
+    assert "evals" not in runtime.training.tenants()  # the job freed its slot; the next one starts afresh
     again = master.wait(master.submit(spec), 300)
     assert again.state == "succeeded", again.error
     for key in ("before", "after_sft"):
@@ -309,7 +306,8 @@ def _rl_curve_with_neighbours(neighbours: int):
         for th in others:
             th.start()
         try:
-            stats = RLRun(rt, "me", RLConfig(env=ENV, mode="sync", env_steps=128, n_envs=2, sub_batches=1,
+            # 16 updates: each has a chance to meet a neighbour's in the training queue (4 met none, now and then)
+            stats = RLRun(rt, "me", RLConfig(env=ENV, mode="sync", env_steps=256, n_envs=2, sub_batches=1,
                                              segment_steps=8, minibatch_rows=8, seed=3)).run()
         finally:
             for r in runs:

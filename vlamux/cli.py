@@ -450,6 +450,16 @@ def policies_download(ctx, policy_id: str, version: int | None, out: str | None)
     click.echo(f"wrote {path}")
 
 
+@policies.command("delete")
+@click.argument("policy_id")
+@click.pass_context
+def policies_delete(ctx, policy_id: str) -> None:
+    """Delete training slot POLICY_ID: it frees its place in your max_training_slots; its saved
+    checkpoints stay downloadable (download --version)."""
+    _client(ctx).training_client(policy_id=policy_id).delete()
+    click.echo(f"training slot {policy_id} deleted")
+
+
 @policies.command("upload")
 @click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--name", default=None, help="Its name for a job's init_from (default: from the file's name).")

@@ -391,6 +391,13 @@ def create_app(host: ServiceHost) -> FastAPI:
     def load_state(policy_id: str, body: LoadStateIn, t: str = Depends(tenant)):
         return {"future": host.load_state(t, policy_id, body.checkpoint_id)}
 
+    @app.delete("/v1/training/slots/{policy_id}", status_code=204)
+    def delete_slot(policy_id: str, t: str = Depends(tenant)):
+        """Free the training slot (its module and optimizer, in training and on every replica) and its
+        place in max_training_slots; its saved checkpoints stay downloadable (`?version=`)."""
+        host.delete_training_slot(t, policy_id)
+        return Response(status_code=204)
+
     @app.get("/v1/futures/{future_id}")
     async def future(future_id: str, wait: float = Query(default=0.0, ge=0.0, le=30.0), t: str = Depends(tenant)):
         # A long poll waits on the event loop for the future's callback: it holds no worker thread, so

@@ -24,9 +24,10 @@ from pathlib import Path
 from vlamux.api.faults import Conflict, NotFound, QuotaExceeded
 from vlamux.api.keycache import TTLCache
 from vlamux.api.metering import Meter, RateLimiter
+from vlamux.api.served import ServedPolicies
 from vlamux.api.quotas import WHAT, Ledger, Need, QuotaRefused, session_processes
 from vlamux.api.tenant_files import TenantFiles
-from vlamux.errors import CorruptCheckpointError, InvalidInputError, VlamuxError, public_message
+from vlamux.errors import CorruptCheckpointError, InvalidInputError, UnknownTenantError, public_message
 from vlamux.jobs.master import MasterService
 from vlamux.jobs.spec import JobSpecError, load_spec
 from vlamux.model.slot import read_slot_file
@@ -59,7 +60,8 @@ class ServiceConfig:
     body_timeout_s: float = 60.0  # a request body must arrive whole within this long (else 408)
     max_waits_per_tenant: int = 8  # long polls (GET /v1/futures/{id}?wait=) of one tenant at once
     auth_cache_s: float = 5.0  # keys and quotas changed outside this host take effect within this long
-    meter_every_s: float = 2.0
+    meter_every_s: float = 0.25  # a kill -9 loses at most this (and one tick) of metered usage
+    serve_idle_s: float = 600.0  # a finished job's policy, served on demand, leaves the replicas after this idle
     default_quotas: dict = field(default_factory=lambda: dict(DEFAULT_QUOTAS))
     env_workers: int | None = None  # simulator processes per session (None: the service's default)
     # simulator processes of all tenants together (None: 8 per CPU); past it opens and jobs are refused
@@ -114,6 +116,8 @@ class ServiceHost:
         self._own_ray = False
         self._lock = threading.Lock()
         self.started_at = time.time()
+        self.served: ServedPolicies | None = None
+        self._janitor_stop = threading.Event()
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def start(self, admin_key: str | None = None) -> str | None:
@@ -122,10 +126,22 @@ class ServiceHost:
         new_admin = self.store.ensure_admin_key(admin_key or os.environ.get("VLAMUX_ADMIN_KEY") or None)
         self.runtime = self._runtime or self._build_runtime()
         self.master = MasterService(self.runtime, self.data_dir / "jobs")
+        self.served = ServedPolicies(self.runtime, idle_s=self.config.serve_idle_s)
         self._restore_slots()
         self._resume_jobs()
         self.meter = Meter(self, self.config.meter_every_s).start()
+        threading.Thread(target=self._janitor, name="vlamux-janitor", daemon=True).start()
         return new_admin
+
+    def _janitor(self, every_s: float = 10.0) -> None:
+        """What ages out: served policies of finished jobs nobody asks for, finished futures."""
+        while not self._janitor_stop.wait(every_s):
+            try:
+                self.served.sweep()
+                with self._lock:
+                    self._gc_futures()
+            except Exception:  # noqa: BLE001 - housekeeping must not take the service down
+                log.exception("janitor round failed")
 
     def _build_runtime(self):
         from vlamux.model import BackboneSpec
@@ -162,6 +178,7 @@ class ServiceHost:
                 "inference_replicas": c.inference_replicas}
 
     def stop(self) -> None:
+        self._janitor_stop.set()
         if self.meter is not None:
             self.meter.stop()  # never raises: the runtime below must stop regardless
         if self.master is not None:  # jobs stay "running" in the store: the next start resumes them
@@ -298,7 +315,8 @@ class ServiceHost:
                 if detail["state"] in ("succeeded", "failed", "cancelled"):
                     self.ledger.release(tenant_id, f"job:{job_id}")
                 result = detail.get("result") if detail["state"] == "succeeded" else None
-                self.store.set_job_state(job_id, detail["state"], error=detail.get("error"),
+                error = detail.get("error")  # what the tenant reads: no path of the service's
+                self.store.set_job_state(job_id, detail["state"], error=public_message(error) if error else None,
                                          result=json_safe(_jsonable(result)) if result is not None else None)
             elif kind == "checkpoint":
                 self.store.set_job_progress(job_id, json_safe(_jsonable(job.progress)))
@@ -321,7 +339,7 @@ class ServiceHost:
                 self._start_job(rec.id, rec.tenant_id, spec, Path(rec.workdir))
             except Exception as e:  # noqa: BLE001 - one bad record must not keep the service down
                 log.exception("cannot resume job %s", rec.id)
-                self.store.set_job_state(rec.id, "failed", error=f"resume failed: {type(e).__name__}: {e}")
+                self.store.set_job_state(rec.id, "failed", error=f"resume failed: {_scrub(e)}")
 
     def _job(self, tenant_id: str, job_id: str):
         rec = self.store.get_job(job_id, tenant_id)
@@ -335,7 +353,8 @@ class ServiceHost:
         return {"id": rec.id, "name": rec.name, "kind": rec.kind, "state": rec.state,
                 "created_at": rec.created_at, "updated_at": rec.updated_at,
                 "progress": (live.progress if live is not None else rec.progress) or {},
-                "result": _public_result(rec.result, tenant_id), "error": rec.error,
+                "result": _public_result(rec.result, tenant_id),
+                "error": public_message(rec.error) if rec.error else None,
                 "events": [{"at": e.at, "state": e.state, "detail": e.detail} for e in self.store.job_events(rec.id)]}
 
     def list_jobs(self, tenant_id: str, state: str | None = None) -> list[dict]:
@@ -406,7 +425,8 @@ class ServiceHost:
             entries.append((r.get("at") or 0.0, "progress", r, " ".join(parts)))
         entries.sort(key=lambda e: e[0])
         if rec.error and rec.state == "failed":
-            entries.append((time.time(), "error", {"error": rec.error}, f"error: {rec.error}"))
+            error = public_message(rec.error)
+            entries.append((time.time(), "error", {"error": error}, f"error: {error}"))
         out = [{"kind": kind, "data": data, "line": line} for _, kind, data, line in entries[since:]]
         return out, max(since, len(entries)), rec.state
 
@@ -421,7 +441,7 @@ class ServiceHost:
         from vlamux.policy import snapshot_of, write_policy
 
         rec = self._policy(tenant_id, policy_id)
-        if rec.kind == "slot":
+        if rec.kind == "slot" and version is None:  # a deleted or failed slot's checkpoints stay downloadable
             _usable(rec)
         key = slot_key(tenant_id, policy_id)
         out_dir = self.data_dir / "tenants" / tenant_id / "downloads"
@@ -466,17 +486,23 @@ class ServiceHost:
         rec = self._policy(tenant_id, policy_id)
         key = slot_key(tenant_id, policy_id)
         version = self.runtime.training.version(key) if key in self.runtime.training.tenants() else None
+        if version is None and rec.kind != "slot":  # an ended job's policy: its newest checkpoint's
+            cps = self.store.list_checkpoints(tenant_id, job_id=policy_id)
+            version = cps[0].policy_version if cps else None
         head = rec.spec.get("head") if isinstance(rec.spec, dict) else None
         view = {"id": rec.id, "source": "training_slot" if rec.kind == "slot" else "job", "name": rec.name,
                 "head": head, "policy_version": version, "created_at": rec.created_at}
         if rec.kind == "slot" and rec.state == "failed":
-            view.update(state="failed", error=rec.error, policy_version=None)
+            view.update(state="failed", error=public_message(rec.error or ""), policy_version=None)
+        elif rec.kind == "slot" and rec.state == "cancelled":
+            view.update(state="deleted", policy_version=None)
         return view
 
     def list_policies(self, tenant_id: str) -> list[dict]:
-        # a slot whose creation was refused never existed; one that had saved state and failed stays listed
+        # a slot whose creation was refused never existed; one that had saved state and failed or was
+        # deleted stays listed (its checkpoints can still be downloaded)
         return [self.policy_view(tenant_id, r.id) for r in self.store.list_jobs(tenant_id)
-                if not (r.kind == "slot" and r.state == "failed"
+                if not (r.kind == "slot" and r.state in ("failed", "cancelled")
                         and not self.store.list_checkpoints(tenant_id, policy_id=r.id))]
 
     def policy_versions(self, tenant_id: str, policy_id: str) -> dict:
@@ -526,6 +552,20 @@ class ServiceHost:
             publisher.flush(30)
         return self.policy_view(tenant_id, rec.id)
 
+    def delete_training_slot(self, tenant_id: str, policy_id: str) -> None:
+        """Free a training slot for good (training and every replica) and its place in the tenant's
+        max_training_slots; its saved checkpoints stay downloadable. A restart does not bring it back."""
+        rec = self._policy(tenant_id, policy_id)
+        if rec.kind != "slot" or rec.state == "cancelled":
+            raise NotFound(f"no training slot {policy_id!r}")
+        if rec.state != "failed":  # a failed slot has nothing in the services
+            try:
+                self.runtime.remove_slot(slot_key(tenant_id, policy_id)).result(120)
+            except UnknownTenantError:
+                log.info("training slot %s had no slot in the services", policy_id)
+        self.store.set_job_state(rec.id, "cancelled", detail="deleted by its tenant")
+        self.ledger.release(tenant_id, f"slot:{policy_id}")
+
     def _restore_slots(self) -> None:
         """Training slots come back at their last saved state (what `save_state` promised), or, when
         that state cannot be read back, as failed slots that say why: never at version 0 as if new."""
@@ -565,6 +605,8 @@ class ServiceHost:
         rec = self._policy(tenant_id, policy_id)
         if rec.kind != "slot":
             raise NotFound(f"no training slot {policy_id!r} (a job's policy is trained by its job)")
+        if rec.state == "cancelled":
+            raise NotFound(f"training slot {policy_id!r} was deleted")
         _usable(rec)
         return slot_key(tenant_id, policy_id)
 
@@ -609,9 +651,12 @@ class ServiceHost:
 
     def predict(self, tenant_id: str, policy_id: str, obs, deterministic: bool) -> Future:
         rec = self._policy(tenant_id, policy_id)
+        key = slot_key(tenant_id, policy_id)
         if rec.kind == "slot":
             _usable(rec)
-        return self.runtime.predict(slot_key(tenant_id, policy_id), obs, deterministic)
+        elif rec.state not in ("queued", "running"):  # its slot is gone: its newest checkpoint is served
+            self.served.ensure(key, tenant_id, self.store.list_checkpoints(tenant_id, job_id=policy_id), self._verify)
+        return self.runtime.predict(key, obs, deterministic)
 
     # ---- futures --------------------------------------------------------------------------------
     def _track(self, tenant_id: str, op: str, fut: Future) -> dict:
@@ -754,6 +799,8 @@ def _public_result(result: dict | None, tenant_id: str) -> dict | None:
 def _usable(rec) -> None:
     if rec.state == "failed":
         raise Conflict(f"training slot {rec.id!r} failed and serves nothing: {rec.error}")
+    if rec.state == "cancelled":
+        raise NotFound(f"training slot {rec.id!r} was deleted")
 
 
 def _scrub(e: BaseException) -> str:

@@ -33,11 +33,13 @@ def service_counters(runtime) -> dict[str, dict[str, float]]:
 
 
 class Meter:
-    """Every `every_s`, records each tenant's usage since the last tick in the store."""
+    """Every `every_s`, records each tenant's usage since the last tick in the store: a service killed
+    outright loses at most that much (plus a tick's own time) of what it metered."""
 
-    def __init__(self, host, every_s: float = 2.0):
+    def __init__(self, host, every_s: float = 0.25):
         self.host, self.every_s = host, every_s
         self._last: dict[str, dict[str, float]] = {}
+        self._on_record: set[str] = set()  # tenants and jobs the store has (they are never removed)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="vlamux-meter", daemon=True)
 
@@ -62,27 +64,40 @@ class Meter:
 
     def tick(self) -> int:
         counters = service_counters(self.host.runtime)
-        store = self.host.store
         rows, seen = [], {}
         for key, amounts in counters.items():
-            tenant, _, policy = key.partition("/")
-            if store.get_tenant(tenant) is None:  # not a tenant of the API (e.g. a bench's own slot)
-                continue
-            # A usage row names its job only when that job is on record: a slot whose creation
-            # failed may still have been charged for the attempt.
-            job = policy if policy and store.get_job(policy, tenant) is not None else None
             last = self._last.get(key, {})
+            deltas = {}
             for kind, total in amounts.items():
                 delta = total - last.get(kind, 0.0)
                 if delta < 0:  # a restarted service starts its counters again from zero
                     delta = total
                 if delta > 0:
-                    rows.append((tenant, kind, delta, job))
+                    deltas[kind] = delta
             seen[key] = dict(amounts)
+            if not deltas:  # nothing new: no store lookup either (a tick is a few lookups, not one a slot)
+                continue
+            tenant, _, policy = key.partition("/")
+            if not self._known("tenant", tenant):  # not a tenant of the API (e.g. a bench's own slot)
+                continue
+            # A usage row names its job only when that job is on record: a slot whose creation
+            # failed may still have been charged for the attempt.
+            job = policy if policy and self._known("job", policy, tenant) else None
+            rows += [(tenant, kind, delta, job) for kind, delta in deltas.items()]
         if rows:
-            store.record_usage_many(rows)
+            self.host.store.record_usage_many(rows)
         self._last.update(seen)  # only once written: a failed write is retried at the next tick
         return len(rows)
+
+    def _known(self, kind: str, key: str, tenant: str | None = None) -> bool:
+        name = f"{kind}:{key}"
+        if name in self._on_record:
+            return True
+        store = self.host.store
+        found = store.get_tenant(key) is not None if kind == "tenant" else store.get_job(key, tenant) is not None
+        if found:
+            self._on_record.add(name)
+        return found
 
 
 class RateLimiter:

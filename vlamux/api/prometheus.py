@@ -24,6 +24,8 @@ class _Collector:
         busy = CounterMetricFamily("vlamux_service_busy_seconds", "Busy time (rate() of it is live utilisation)",
                                    labels=["service"])
         groups = CounterMetricFamily("vlamux_groups", "Groups executed", labels=["queue", "service"])
+        slots = GaugeMetricFamily("vlamux_service_slots", "Tenant slots each model service holds (training: with "
+                                  "optimizer state; a replica: serving copies)", labels=["service"])
         memory = GaugeMetricFamily("vlamux_device_memory_bytes", "Device memory by pool (model: weights, slots and "
                                    "activations; rollout: data-plane inputs), reserved, allocated and peak "
                                    "allocated; zero on a CPU", labels=["device", "pool", "kind"])
@@ -50,6 +52,7 @@ class _Collector:
                     curve.add_metric([name, bid, str(r)], sec)
             util.add_metric([name], svc["utilization"])
             busy.add_metric([name], svc.get("busy_s", 0.0))
+            slots.add_metric([name], svc.get("tenants", 0))
             if "device" in svc:
                 info.add_metric([name, svc["device"], svc["dtype"], str(svc.get("fuse_heads", False)).lower()], 1)
             mem, device = svc.get("memory"), svc.get("device", "cpu")
@@ -64,7 +67,7 @@ class _Collector:
         env = m["environment"]
         util.add_metric(["environment"], env["utilization"])
         busy.add_metric(["environment"], env["busy_s"])
-        yield from (depth, wait, rows, reqs, util, busy, groups, memory, info, cap, curve)
+        yield from (depth, wait, rows, reqs, util, busy, groups, slots, memory, info, cap, curve)
         sessions = GaugeMetricFamily("vlamux_env_sessions", "Open simulator sessions")
         sessions.add_metric([], env["open_sessions"])
         yield sessions

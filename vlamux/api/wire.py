@@ -15,6 +15,8 @@ import numpy as np
 CONTENT_TYPE = "application/msgpack"
 # What a client may send: no object arrays, nothing a decoder could be tricked into executing.
 DTYPES = {"uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bool"}
+MAX_DIM = 1 << 31  # one dimension's length; and the product of the non-zero ones is bounded as well:
+MAX_EXTENT = 1 << 40  # an empty array may not claim a shape no array could have
 
 
 class WireError(ValueError):
@@ -62,13 +64,23 @@ def _array(d: dict, path: str) -> np.ndarray:
         raise WireError(f"{path}: data must be raw bytes", path)
     if len(shape) > 32:
         raise WireError(f"{path}: at most 32 dimensions, got {len(shape)}", path)
+    extent = 1
+    for n in shape:  # Python integers: a hostile shape cannot overflow into a match
+        if n > MAX_DIM:
+            raise WireError(f"{path}: a dimension of {n} in shape {shape[:8]}; at most {MAX_DIM}", path)
+        extent *= max(n, 1)
+    if extent > MAX_EXTENT:
+        raise WireError(f"{path}: shape {shape[:8]} spans more than {MAX_EXTENT} elements", path)
     dt = np.dtype(dtype).newbyteorder("<")
     expected = dt.itemsize
-    for n in shape:  # Python integers: a hostile shape cannot overflow into a match
+    for n in shape:
         expected *= n
     if len(data) != expected:
         raise WireError(f"{path}: {len(data)} bytes of data for shape {shape} {dtype} ({expected} expected)", path)
-    return np.frombuffer(data, dtype=dt).reshape(shape).astype(dt.newbyteorder("="), copy=True)
+    try:
+        return np.frombuffer(data, dtype=dt).reshape(shape).astype(dt.newbyteorder("="), copy=True)
+    except (ValueError, MemoryError) as e:  # whatever numpy refuses is the sender's shape, not a 500
+        raise WireError(f"{path}: shape {shape[:8]} does not make an array ({e})", path) from None
 
 
 def dumps(obj: Any) -> bytes:

@@ -35,8 +35,8 @@ def _worker_main(conn, spec: EnvSpec, n_envs: int, render_device: int | None = N
 
     try:
         envs = [make_env(spec) for _ in range(n_envs)]
-    except Exception:  # noqa: BLE001 - the caller gets the reason, not just a dead worker
-        conn.send(("error", traceback.format_exc()))
+    except Exception as e:  # noqa: BLE001 - the caller gets the reason, not just a dead worker
+        conn.send(("error", _reason(e)))
         return
     conn.send(("ready", envs[0].action_spec))
     while True:
@@ -63,8 +63,15 @@ def _worker_main(conn, spec: EnvSpec, n_envs: int, render_device: int | None = N
                 return
             else:
                 conn.send(("error", f"unknown command {cmd!r}"))
-        except Exception:  # noqa: BLE001 - reported to the caller, the worker lives on
-            conn.send(("error", traceback.format_exc()))
+        except Exception as e:  # noqa: BLE001 - reported to the caller, the worker lives on
+            conn.send(("error", _reason(e)))
+
+
+def _reason(e: Exception) -> str:
+    """What the caller (a tenant, in the end) is told of a simulator's exception: its type and message.
+    The traceback names the service's files and code: it goes to this worker's log only."""
+    log.warning("env worker %d: %s", os.getpid(), "".join(traceback.format_exception(e)).rstrip())
+    return f"{type(e).__name__}: {e}"
 
 
 def _configure_rendering(render_device: int | None) -> None:
@@ -255,7 +262,7 @@ class VectorEnv:
                         if status == "ok":
                             replies[w] = value
                         else:
-                            failures.append((w, EnvError, f"failed {cmd!r}:\n{value}"))
+                            failures.append((w, EnvError, f"failed {cmd!r}: {value}"))
                 except (EOFError, OSError):
                     failures.append((w, EnvWorkerCrashed, f"died during {cmd!r} (exit code {worker.proc.exitcode})"))
                 pending.pop(0)

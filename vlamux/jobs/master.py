@@ -68,7 +68,7 @@ class MasterService:
     def __init__(self, services, workdir: str | Path = "runs"):
         self.services = services
         self.workdir = Path(workdir)
-        self.jobs: dict[str, Job] = {}
+        self.jobs: dict[str, Job] = {}  # the jobs not yet ended
         self._lock = threading.Lock()
 
     # ---- API ----------------------------------------------------------------------------------------
@@ -109,14 +109,20 @@ class MasterService:
         resume = json.loads(state_file.read_text()) if state_file.exists() and ckpt.exists() else None
         job._set("running")
         t0 = time.monotonic()
-        metrics = _MetricsFile(job.dir / "metrics.csv", append=resume is not None)
+        # a resumed job's steps since its checkpoint run again: their rows are replaced, not repeated
+        metrics = _MetricsFile(job.dir / "metrics.csv", keep=resume.get("metric_rows") if resume else 0)
+        slot = False  # this job's slot exists: freed before the job's end is told (training and every replica)
         try:
             sft = None
             stats = None
             if spec.sft is not None and (resume is None or resume["phase"] == "sft"):
                 sft = SFTRun(svc, spec.tenant, spec.head.horizon, spec.sft)
                 stats = sft.open(_stats_mode(spec))
-            svc.create_slot(spec.tenant, spec.head, spec.optimizer, spec.seed, stats, backbone=spec.backbone).result(120)
+            made = svc.create_slot(spec.tenant, spec.head, spec.optimizer, spec.seed, stats, backbone=spec.backbone)
+            try:
+                made.result(120)
+            finally:  # made, or maybe made later (timed out): not a slot of the same name this job was refused
+                slot = made.done() is False or made.exception() is None
             if resume is not None:
                 svc.load_state(spec.tenant, ckpt).result(120)
                 log.info("job %s resumes from %s (%s)", spec.name, ckpt, resume)
@@ -136,9 +142,10 @@ class MasterService:
             if spec.eval is not None and spec.eval.before and resume is None:
                 keep("before", self._evaluate(job))
 
-            def checkpoint(phase: str, step: int, env_steps: int = 0) -> None:
+            def checkpoint(phase: str, step: int, env_steps: int = 0, **extra) -> None:
                 svc.save_state(spec.tenant, ckpt).result(120)
-                _write_json(state_file, {"phase": phase, "step": step, "env_steps": env_steps})
+                _write_json(state_file, {"phase": phase, "step": step, "env_steps": env_steps,
+                                         "metric_rows": metrics.rows, **extra})
                 job._emit("checkpoint", {"path": str(ckpt), "phase": phase, "step": step, "env_steps": env_steps,
                                          "policy_version": svc.training.version(spec.tenant)})
 
@@ -161,15 +168,26 @@ class MasterService:
             result["policy_version"] = svc.training.version(spec.tenant)
             job.result = result
             _write_json(job.dir / "result.json", result)
-            job._set("succeeded")
+            ended = "succeeded"
         except JobCancelled:
-            job._set("cancelled")
+            ended = "cancelled"
         except Exception as e:  # noqa: BLE001 - the job fails, the service goes on
             log.exception("job %s failed", spec.name)
             job.error = f"{type(e).__name__}: {e}"
-            job._set("failed")
+            ended = "failed"
         finally:
             metrics.close()
+        if slot:  # its policy lives on in its checkpoints; nothing holds its slot any more
+            self._free(spec.tenant)
+        with self._lock:  # the caller holds the Job it was given; this service keeps the unfinished
+            self.jobs.pop(job.id, None)
+        job._set(ended)
+
+    def _free(self, tenant: str) -> None:
+        try:
+            self.services.remove_slot(tenant).result(120)
+        except Exception as e:  # noqa: BLE001 - a slot that never came to be has nothing to free
+            log.debug("freeing the slot of %s: %s", tenant, e)
 
     def _check(self, job: Job) -> None:
         if job.cancel.is_set():
@@ -193,7 +211,9 @@ class MasterService:
 
     def _rl(self, job: Job, metrics, checkpoint, resume) -> dict:
         spec = job.spec
-        done = resume["env_steps"] if resume and resume["phase"] == "rl" else 0
+        before = resume if resume and resume["phase"] == "rl" else {}  # what ran before a restart
+        done, trained = before.get("env_steps", 0), before.get("segments", 0)
+        updates = [before.get("step", 0)]  # a metrics row's step: the learner's update, counted across restarts
         # a resumed RL phase keeps the optimizer moments its checkpoint holds
         cfg = dataclasses.replace(spec.rl, env_steps=max(0, spec.rl.env_steps - done),
                                   fresh_optimizer=spec.rl.fresh_optimizer and not done)
@@ -202,24 +222,25 @@ class MasterService:
 
         def on_progress(st) -> None:
             self._check(job)
+            updates[0] += 1
             wall = max(time.monotonic() - st.started, 1e-9)
             rate = st.success_rate()
             job.progress = {"phase": "rl", "env_steps": done + st.env_steps, "of": spec.rl.env_steps,
                             "success_rate": rate, "policy_version": st.version,
                             "staleness": st.lags[-1] if st.lags else 0, "env_steps_per_s": st.env_steps / wall,
                             "loss": st.losses[-1] if st.losses else None}
-            metrics.row(phase="rl", step=st.segments_trained, loss=job.progress["loss"], success_rate=rate,
+            metrics.row(phase="rl", step=updates[0], loss=job.progress["loss"], success_rate=rate,
                         env_steps=done + st.env_steps, env_steps_per_s=st.env_steps / wall, policy_version=st.version,
                         staleness=job.progress["staleness"])
             if st.segments_trained and st.segments_trained % spec.checkpoint_every == 0:
-                checkpoint("rl", st.segments_trained, done + st.env_steps)
+                checkpoint("rl", updates[0], done + st.env_steps, segments=trained + st.segments_trained)
 
         run.on_progress = on_progress
         st = run.run()
-        checkpoint("rl-done", st.segments_trained, done + st.env_steps)  # the trained policy, kept
+        checkpoint("rl-done", updates[0], done + st.env_steps, segments=trained + st.segments_trained)  # kept
         wall = time.monotonic() - t0
         return {"env_steps": done + st.env_steps, "episodes": len(st.episodes), "success_rate": st.success_rate(),
-                "segments_trained": st.segments_trained, "segments_dropped": st.segments_dropped,
+                "segments_trained": trained + st.segments_trained, "segments_dropped": st.segments_dropped,
                 "rows_dropped": st.rows_dropped, "max_staleness_seen": max(st.lags, default=0),
                 "env_steps_per_s": st.env_steps / max(wall, 1e-9), "curve": st.episodes, "by_task": st.by_task,
                 "approx_kl": st.approx_kl, "clip_frac": st.clip_frac, "lane_busy_s": st.lane_busy_s}
@@ -239,23 +260,34 @@ def _stats_mode(spec: JobSpec) -> str:
 
 
 class _MetricsFile:
-    """Per-step metrics as CSV (one row per step, flushed as it goes), for plotting."""
+    """Per-step metrics as CSV (one row per step, flushed as it goes), for plotting. `keep`: the rows
+    of an earlier run to keep (a resumed job's, up to its checkpoint; None: all of them, for a
+    checkpoint that did not count its rows); the file starts afresh otherwise."""
 
-    def __init__(self, path: Path, append: bool):
-        new = not (append and path.exists() and path.stat().st_size)
-        fields = METRIC_FIELDS
-        if not new:  # a resumed job keeps the columns its file started with
-            with path.open(newline="") as f:
-                fields = next(csv.reader(f), None) or METRIC_FIELDS
-        self._f = path.open("w" if new else "a", newline="")
+    def __init__(self, path: Path, keep: int | None = 0):
+        fields, kept = METRIC_FIELDS, []
+        if keep != 0 and path.exists() and path.stat().st_size:
+            with path.open(newline="") as f:  # a resumed job keeps the columns its file started with
+                reader = csv.reader(f)
+                fields = next(reader, None) or METRIC_FIELDS
+                kept = list(reader)
+            kept = kept if keep is None else kept[:keep]
+            tmp = path.with_suffix(".tmp")
+            with tmp.open("w", newline="") as f:
+                csv.writer(f).writerows([fields, *kept])
+            tmp.replace(path)  # the rows past the checkpoint are gone before any is written again
+        self.rows = len(kept)
+        self._f = path.open("a" if kept else "w", newline="")
         self._w = csv.DictWriter(self._f, fields, extrasaction="ignore")
-        if new:
+        if not kept:
             self._w.writeheader()
+            self._f.flush()
         self._t0 = time.monotonic()
 
     def row(self, **values) -> None:
         self._w.writerow({"time_s": round(time.monotonic() - self._t0, 3), "at": round(time.time(), 3), **values})
         self._f.flush()
+        self.rows += 1
 
     def close(self) -> None:
         self._f.close()

@@ -133,7 +133,26 @@ def load_spec(source: str | Path | dict) -> JobSpec:
                 raise JobSpecError(f"spec: neither JSON nor YAML ({e})") from None
     if not isinstance(data, dict):
         raise JobSpecError(f"spec: expected a mapping, got {type(data).__name__}")
+    check_depth(data)
     return build(JobSpec, data, "")
+
+
+MAX_DEPTH = 16  # a spec's deepest real field (an env's options) is a few levels down
+
+
+def check_depth(data, max_depth: int = MAX_DEPTH) -> None:
+    """Refuse a spec nested deeper than `max_depth`, naming the field where it does (walked without
+    recursion: the check itself cannot run out of stack)."""
+    stack = [(data, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > max_depth:
+            shown = where if len(where) <= 120 else where[:60] + "..." + where[-40:]
+            raise JobSpecError(f"{shown}: nested deeper than {max_depth} levels")
+        if isinstance(value, dict):
+            stack.extend((v, _join(where, str(k)), depth + 1) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
 
 
 def build(cls, data, where: str):

@@ -66,30 +66,49 @@ def measure(backbone, lane, max_rows: int = MAX_ROWS, repeats: int = 5, max_call
     interleaved with the others' (on a shared machine other work only ever adds time, so the fastest
     call is the hardware's); stops at `max_rows` or once a call takes `max_call_s`. `lane`: the
     runner's (its stream and its event timing)."""
+    return _drain(measure_steps(backbone, lane, max_rows, repeats, max_call_s))
+
+
+def measure_steps(backbone, lane, max_rows: int = MAX_ROWS, repeats: int = 5, max_call_s: float = MAX_CALL_S):
+    """`measure`, one forward a step: a generator that yields after each timed forward (a service serves
+    its queued groups in between) and returns (rows, seconds). A forward's time is its own: each is
+    waited for before the next step."""
     sizes, batches, first = [], {}, []
     r, past, began = 1, 0, time.perf_counter()
-    with torch.no_grad():
-        while r <= max_rows and past < 2 and time.perf_counter() - began < MAX_PROBE_S:
-            # probe on until two doublings in a row stopped paying
+    while r <= max_rows and past < 2 and time.perf_counter() - began < MAX_PROBE_S:
+        # probe on until two doublings in a row stopped paying
+        with torch.no_grad():
             batches[r] = probe_group(backbone, r, seed=r)
             backbone.forward_group(batches[r])  # warm-up
             start = lane.mark()
             backbone.forward_group(batches[r])  # a first estimate
             end = _done(lane.mark())
-            sizes.append(r)
-            first.append(lane.seconds(start, end))
-            if first[-1] > max_call_s:
-                break
-            past = past + 1 if len(first) > 1 and first[-1] > 2 * first[-2] * (1 - DOUBLING_GAIN) else 0
-            r *= 2
-        times: dict[int, list[float]] = {r: [] for r in sizes}
-        for _ in range(repeats):
-            for r in sizes:
+        sizes.append(r)
+        first.append(lane.seconds(start, end))
+        if first[-1] > max_call_s:
+            break
+        past = past + 1 if len(first) > 1 and first[-1] > 2 * first[-2] * (1 - DOUBLING_GAIN) else 0
+        r *= 2
+        yield
+    times: dict[int, list[float]] = {r: [] for r in sizes}
+    for _ in range(repeats):
+        for r in sizes:
+            with torch.no_grad():
                 start = lane.mark()
                 backbone.forward_group(batches[r])
                 end = _done(lane.mark())
-                times[r].append(lane.seconds(start, end))
+            times[r].append(lane.seconds(start, end))
+            yield
     return sizes, [min(times[r]) for r in sizes]
+
+
+def _drain(steps):
+    """Run a step generator to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def _done(mark):
@@ -138,14 +157,31 @@ def measured(backbone, budget_s: float | None = None) -> GroupCurve | None:
 def calibrate(backbone, lane, budget_s: float | None = None, reuse: bool = False, **kw) -> GroupCurve:
     """Measure `backbone`'s curve and choose its cap; reuse=True: a curve this process measured under
     the same `conditions` is returned as it is."""
-    key = (*conditions(backbone, lane.dtype, budget_s), *sorted(kw.items()))
     with _PROBING:
-        if reuse and key in _MEASURED:
-            return _MEASURED[key]
-        t0 = time.perf_counter()
-        rows, seconds = measure(backbone, lane, **kw)
-        cap, reason = choose_cap(rows, seconds, budget_s)
-        curve = GroupCurve(backbone.backbone_id, rows, seconds, cap, budget_s, reason)
-        curve.measured_in_s = time.perf_counter() - t0
-        _MEASURED[key] = curve
+        return _drain(_probe(backbone, lane, budget_s, reuse, kw))
+
+
+def calibrate_steps(backbone, lane, budget_s: float | None = None, reuse: bool = False, **kw):
+    """`calibrate` in steps, for a service that serves between them: a generator that yields after
+    each probe forward (and, while another probe of this process runs, instead of starting its own:
+    it never blocks its caller) and returns the curve."""
+    while not _PROBING.acquire(blocking=False):
+        yield
+    try:
+        return (yield from _probe(backbone, lane, budget_s, reuse, kw))
+    finally:
+        _PROBING.release()
+
+
+def _probe(backbone, lane, budget_s: float | None, reuse: bool, kw: dict):
+    """The probe itself (the caller holds _PROBING): steps of `measure_steps`, then the cap."""
+    key = (*conditions(backbone, lane.dtype, budget_s), *sorted(kw.items()))
+    if reuse and key in _MEASURED:
+        return _MEASURED[key]
+    t0 = time.perf_counter()
+    rows, seconds = yield from measure_steps(backbone, lane, **kw)
+    cap, reason = choose_cap(rows, seconds, budget_s)
+    curve = GroupCurve(backbone.backbone_id, rows, seconds, cap, budget_s, reason)
+    curve.measured_in_s = time.perf_counter() - t0
+    _MEASURED[key] = curve
     return curve

@@ -6,10 +6,13 @@ and RL targets copied to the device, and their preprocessing). Kept apart, a bur
 traffic cannot fragment the model's memory, and each side's footprint can be read on its own.
 
 On CUDA a rollout pool is a `torch.cuda.MemPool` of the caching allocator: allocations made on a
-thread inside `pools.rollout()` land there. The allocator lets only one thread route into a pool at
-a time, so each model service (its engine thread) has a pool of its own, and the model's share of
-the device is what the rollout pools do not hold. On a CPU (or a torch without MemPool) the same
-interface exists and does nothing; its stats read zero.
+thread inside `pools.rollout()` land there. Each model service (its engine thread) has a pool of its
+own, and the model's share of the device is what the rollout pools do not hold. Two threads routing
+into two pools of one device at once is a case the allocator does not promise to keep apart (its
+routing is a device-wide list of pools being recorded into), so on a device only one thread at a time
+is inside a rollout pool: the block is a request's host-to-device copy and preprocessing, queued
+without waiting for the device. On a CPU (or a torch without MemPool) the same interface exists and
+does nothing; its stats read zero.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ log = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
 _ON_DEVICE: dict[str, weakref.WeakSet] = {}  # device -> the rollout pools made on it
+_ROUTING: dict[str, threading.RLock] = {}  # device -> held by the one thread routing into a rollout pool
 
 
 def _key(device: torch.device | str) -> torch.device:
@@ -52,16 +56,23 @@ class MemoryPools:
             self.rollout_pool = torch.cuda.MemPool()
         with _LOCK:
             _ON_DEVICE.setdefault(str(self.device), weakref.WeakSet()).add(self)
+            self._routing = _ROUTING.setdefault(str(self.device), threading.RLock())
 
     @property
     def separate(self) -> bool:
         return self.rollout_pool is not None
 
     def rollout(self):
-        """Allocations of the calling thread inside this block go to the rollout pool."""
+        """Allocations of the calling thread inside this block go to the rollout pool; another
+        service's thread on the same device waits at the door (see the module's docstring)."""
         if self.rollout_pool is None:
             return contextlib.nullcontext()
-        return torch.cuda.use_mem_pool(self.rollout_pool, self.device)
+        return self._routed()
+
+    @contextlib.contextmanager
+    def _routed(self):
+        with self._routing, torch.cuda.use_mem_pool(self.rollout_pool, self.device):
+            yield
 
     def bytes(self) -> tuple[int, int]:
         """(reserved, allocated) bytes of this rollout pool."""

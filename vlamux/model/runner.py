@@ -74,6 +74,8 @@ class ModelRunner:
             raise ValueError("a model runner needs at least one backbone")
         if len({b.device for b in backbones}) > 1:
             raise ValueError(f"a model runner's backbones share one device, got {sorted({str(b.device) for b in backbones})}")
+        for b in backbones:  # before any lane runs (a no-op for a backbone frozen by build_backbone)
+            b.install_tenant_hooks()
         self.backbones = {b.backbone_id: b for b in backbones}
         self.default_backbone = backbones[0].backbone_id
         self.max_group_rows = max_group_rows
@@ -111,8 +113,6 @@ class ModelRunner:
         if slot.head_spec.feature_layers > depth:
             raise ValueError(f"head spec: feature_layers={slot.head_spec.feature_layers} but backbone "
                              f"{slot.backbone_id!r} has {depth} layers")
-        if slot.adapter is not None:
-            adapters.install(backbone)  # the hooks that apply each tenant's delta to its own rows
         self.slots[slot.tenant] = slot
         return slot
 
@@ -161,11 +161,30 @@ class ModelRunner:
 
         with self.lane.active():
             for bid, backbone in self.backbones.items():
-                curve = calibrate(backbone, self.lane, budget_s, reuse=not force, **kw)
-                log.info("backbone %s: groups capped at %s rows (%s; measured in %.2fs)", bid, curve.cap,
-                         curve.reason, curve.measured_in_s)
-                self.group_curves[bid] = curve
+                self._learned(bid, calibrate(backbone, self.lane, budget_s, reuse=not force, **kw))
         return dict(self.group_curves)
+
+    def calibration(self, budget_s: float | None = None, **kw):
+        """`calibrate(force=True)` in steps of one probe forward (a generator; it returns the curves),
+        for an engine that serves its queue between the steps. Each step runs on the lane's stream."""
+        from vlamux.model.calibrate import calibrate_steps
+
+        for bid, backbone in self.backbones.items():
+            steps = calibrate_steps(backbone, self.lane, budget_s, **kw)
+            while True:
+                try:
+                    with self.lane.active():
+                        next(steps)
+                except StopIteration as done:
+                    self._learned(bid, done.value)
+                    break
+                yield
+        return dict(self.group_curves)
+
+    def _learned(self, bid: str, curve: GroupCurve) -> None:
+        log.info("backbone %s: groups capped at %s rows (%s; measured in %.2fs)", bid, curve.cap, curve.reason,
+                 curve.measured_in_s)
+        self.group_curves[bid] = curve
 
     def group_caps(self) -> int | dict | None:
         """The row caps `plan_groups` applies: the configured `max_group_rows`, and each calibrated
@@ -220,13 +239,16 @@ class ModelRunner:
                     raise InvalidInputError(f"request {i}: expected ForwardBackward or Sample, got {type(req).__name__}")
                 slot = self.slot(req.tenant)
                 backbone = self.backbones[slot.backbone_id]
-                with self.pools.rollout():  # prepare checks the observation before it copies
+                # prepare checks the observation before it copies; a VLM's processor copies nothing (its
+                # forward does), and needs no turn at the device's rollout pools
+                with self.pools.rollout() if backbone.prepares_on_device else contextlib.nullcontext():
                     batch = backbone.prepare(req.obs, n_query=slot.head_spec.query_tokens)
-                    if isinstance(req, ForwardBackward):
-                        rows = slot.check_rows(req.obs.batch_size, req.obs.state, req.actions, req.action_mask,
-                                               req.loss, train=True)
-                    else:
-                        rows = slot.check_rows(req.obs.batch_size, req.obs.state)
+                if isinstance(req, ForwardBackward):
+                    rows = slot.check_rows(req.obs.batch_size, req.obs.state, req.actions, req.action_mask,
+                                           req.loss, train=True)
+                else:
+                    rows = slot.check_rows(req.obs.batch_size, req.obs.state)
+                with self.pools.rollout():
                     batches[i] = _Ingested(batch, rows.to(backbone.device))
             except Exception as e:  # noqa: BLE001
                 results[i].error = e

@@ -124,3 +124,9 @@ class TrainingClient:
 
     def policy(self) -> PolicyClient:
         return PolicyClient(self._http, self.id)
+
+    def delete(self) -> None:
+        """Free the slot (its place in your max_training_slots too); its saved checkpoints stay
+        downloadable by version. Calls on it afterwards answer 404."""
+        with self._lock:
+            self._http.delete(f"/v1/training/slots/{self.id}")

@@ -2,7 +2,9 @@
 Inference Model Service replica, on their own thread and queue, never with the data plane.
 
 Only a tenant's module (head weights and statistics) travels, never the backbone. Versions of the
-same tenant waiting to be delivered are coalesced: a replica only ever needs the newest.
+same tenant waiting to be delivered are coalesced: a replica only ever needs the newest. A tenant
+whose slot is gone is `Retired` the same way, in order with its versions: the replicas free its
+serving slot.
 """
 
 from __future__ import annotations
@@ -10,11 +12,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from vlamux.model.slot import PolicySnapshot
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Retired:
+    """A tenant's policy is no longer served: what a replica gets in place of a version."""
+
+    tenant: str
+
+    def nbytes(self) -> int:
+        return 0
 
 
 class PolicyPublisher:
@@ -29,7 +42,7 @@ class PolicyPublisher:
         self.delivered = 0
         self.bytes_sent = 0
 
-    def subscribe(self, name: str, deliver: Callable[[PolicySnapshot], None]) -> None:
+    def subscribe(self, name: str, deliver: Callable[[PolicySnapshot | Retired], None]) -> None:
         with self._cv:
             self._subscribers[name] = deliver
 
@@ -40,8 +53,14 @@ class PolicyPublisher:
     def publish(self, snap: PolicySnapshot) -> None:
         with self._cv:
             old = self._pending.get(snap.tenant)
-            if old is None or old.version <= snap.version:
+            if old is None or isinstance(old, Retired) or old.version <= snap.version:
                 self._pending[snap.tenant] = snap
+            self._cv.notify_all()
+
+    def retire(self, tenant: str) -> None:
+        """Every subscriber frees the tenant's serving slot (a version of it still waiting goes unsent)."""
+        with self._cv:
+            self._pending[tenant] = Retired(tenant)
             self._cv.notify_all()
 
     def start(self) -> None:
@@ -78,7 +97,8 @@ class PolicyPublisher:
                         self.delivered += 1
                         self.bytes_sent += snap.nbytes()
                     except Exception:  # noqa: BLE001 - one replica's failure must not stop the others
-                        log.exception("delivering tenant %r version %d to %s failed", snap.tenant, snap.version, name)
+                        log.exception("delivering tenant %r's %s to %s failed", snap.tenant,
+                                      f"version {snap.version}" if hasattr(snap, "version") else "retirement", name)
             with self._cv:
                 self.busy_s += time.perf_counter() - t0  # the distribution lane's busy time
                 self._delivering = False

@@ -22,36 +22,52 @@ class EngineLoop:
     # "learned": measure the backbones' group caps at start and on request (vlamux.model.calibrate)
     group_cap: str | None = None
     group_budget_s: float | None = None
-    _calibration: Future | None = None
+    _calibration: Future | None = None  # asked for and not finished: every caller meanwhile gets this one
+    _calibration_steps = None  # its probe, in steps (runner.calibration), once begun
+    _calibration_lock = threading.Lock()
 
     def _loop(self) -> None:
         self.runner.lane.claim_thread()  # a low lane (training) yields shared cores to a high one
         while self._running:
             self.heartbeat = time.monotonic()
             try:
-                if self._calibration is not None:  # between groups, on the engine's own thread
-                    self._calibrate()
-                self.run_once(0.05)
+                if self._calibration is not None:  # one probe forward, then whatever is due: serving goes on
+                    self._calibration_step()
+                    self.run_once(0.0)
+                else:
+                    self.run_once(0.05)
             except Exception:  # noqa: BLE001 - the engine must outlive one bad batch
                 log.exception("%s: engine iteration failed", self.name)
 
     def calibrate(self) -> Future:
-        """Measure the group caps again (between two groups); the future gets the curves."""
-        fut: Future = Future()
-        self._calibration = fut
-        return fut
+        """Measure the group caps again, a probe forward at a time between groups; the future gets the
+        curves. Asked again before that ends: the same calibration, the same future."""
+        with self._calibration_lock:
+            if self._calibration is None:
+                self._calibration = Future()
+            return self._calibration
+
+    def _calibration_step(self) -> None:
+        try:
+            if self._calibration_steps is None:
+                self._calibration_steps = self.runner.calibration(self.group_budget_s)
+            next(self._calibration_steps)
+            return
+        except StopIteration as done:
+            outcome = {bid: c.describe() for bid, c in done.value.items()}
+        except Exception as e:  # noqa: BLE001 - serving goes on with the caps it had; the caller hears why
+            log.exception("%s: group calibration failed", self.name)
+            outcome = e
+        with self._calibration_lock:
+            fut, self._calibration, self._calibration_steps = self._calibration, None, None
+        fut.set_exception(outcome) if isinstance(outcome, Exception) else fut.set_result(outcome)
 
     def _calibrate(self, force: bool = True) -> None:
-        fut, self._calibration = self._calibration, None
+        """At start, before serving: measured at once (or the curve this process has, force=False)."""
         try:
-            curves = self.runner.calibrate(self.group_budget_s, force=force)
-        except Exception as e:  # noqa: BLE001 - serving goes on uncapped; the caller hears why
+            self.runner.calibrate(self.group_budget_s, force=force)
+        except Exception:  # noqa: BLE001 - serving goes on uncapped
             log.exception("%s: group calibration failed", self.name)
-            if fut is not None:
-                fut.set_exception(e)
-            return
-        if fut is not None:
-            fut.set_result({bid: c.describe() for bid, c in curves.items()})
 
     def start(self):
         if self.group_cap == "learned" and not self.runner.group_curves:
@@ -69,6 +85,12 @@ class EngineLoop:
         self.queue.close()
         if self._thread and self._thread is not threading.current_thread():
             self._thread.join(timeout=join_timeout_s)
+        with self._calibration_lock:
+            fut, self._calibration = self._calibration, None
+            if self._thread is None or not self._thread.is_alive():
+                self._calibration_steps = None  # a probe cut short releases the process's probe lock
+        if fut is not None and not fut.done():
+            fut.set_exception(RuntimeError(f"{self.name} stopped before its calibration ended"))
 
     def alive(self) -> bool:
         """Running and not stopped: a stopped engine takes no work even while its thread winds down."""

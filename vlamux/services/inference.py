@@ -18,6 +18,7 @@ from vlamux.errors import UnknownTenantError
 from vlamux.model import Backbone, ModelRunner, Observation, Sample
 from vlamux.model.slot import PolicySnapshot
 from vlamux.services.accounting import Accounting
+from vlamux.services.control import Retired
 from vlamux.services.engine import EngineLoop
 from vlamux.services.queues import InferenceQueue, InferenceQueueConfig
 
@@ -45,14 +46,19 @@ class InferenceModelService(EngineLoop):
         self._staged_lock = threading.Lock()
 
     # ---- control plane ----------------------------------------------------------------------------
-    def stage_policy(self, snap: PolicySnapshot) -> None:
-        """Receive a tenant's policy version; it takes effect between two groups."""
+    def stage_policy(self, snap: PolicySnapshot | Retired) -> None:
+        """Receive a tenant's policy version (or its retirement: its serving slot is freed); it takes
+        effect between two groups."""
+        if isinstance(snap, Retired):
+            with self._staged_lock:
+                self._staged[snap.tenant] = snap
+            return
         if snap.backbone_id not in self.runner.backbones:
             raise ValueError(f"{self.name}: snapshot for backbone {snap.backbone_id!r}, replica serves "
                              f"{sorted(self.runner.backbones)}")
         with self._staged_lock:
             old = self._staged.get(snap.tenant)
-            if old is None or old.version <= snap.version:
+            if old is None or isinstance(old, Retired) or old.version <= snap.version:
                 self._staged[snap.tenant] = snap
 
     def _apply_staged(self) -> None:
@@ -63,6 +69,11 @@ class InferenceModelService(EngineLoop):
             staged, self._staged = self._staged, {}
             for tenant, snap in staged.items():
                 slot = self.runner.slots.get(tenant)
+                if isinstance(snap, Retired):
+                    if slot is not None:
+                        self.runner.remove_slot(tenant)
+                    self.queue.forget(tenant)
+                    continue
                 if slot is not None and snap.version < slot.version:
                     continue
                 try:
@@ -74,13 +85,18 @@ class InferenceModelService(EngineLoop):
         """The version the tenant's next group will be served with (a staged one counts)."""
         with self._staged_lock:
             staged = self._staged.get(tenant)
+            if isinstance(staged, Retired):
+                return None
             slot = self.runner.slots.get(tenant)
             versions = [v for v in (staged and staged.version, slot and slot.version) if v is not None]
         return max(versions) if versions else None
 
     def serves(self, tenant: str) -> bool:
         with self._staged_lock:
-            return tenant in self.runner.slots or tenant in self._staged
+            staged = self._staged.get(tenant)
+            if staged is not None:
+                return not isinstance(staged, Retired)
+            return tenant in self.runner.slots
 
     # ---- data plane -------------------------------------------------------------------------------
     def predict(self, tenant: str, obs: Observation, deterministic: bool = False,

@@ -115,6 +115,14 @@ class InferenceQueue:
         floor = min(active) if active else max(self._served.values(), default=0.0)
         self._served[tenant] = max(self._served.get(tenant, 0.0), floor)
 
+    def forget(self, tenant: str) -> None:
+        """A tenant no longer served: its fairness counter goes (anything still queued stays and is
+        answered as the runner sees fit)."""
+        with self._cv:
+            if not self._pending.get(tenant):
+                self._pending.pop(tenant, None)
+                self._served.pop(tenant, None)
+
     def depth(self) -> tuple[int, int]:
         """(requests, rows) queued."""
         with self._cv:
@@ -296,6 +304,12 @@ class TrainingQueue:
         with self._cv:
             self._in_flight.discard(tenant)
             self._cv.notify_all()
+
+    def forget(self, tenant: str) -> None:
+        """A tenant whose slot is gone: its empty queue goes (an idle tenant makes groups wait to gather)."""
+        with self._cv:
+            if not self._fifo.get(tenant) and tenant not in self._in_flight:
+                self._fifo.pop(tenant, None)
 
     def depth(self) -> int:
         with self._cv:

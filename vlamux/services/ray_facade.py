@@ -133,6 +133,18 @@ class RayServices:
     def load_state(self, tenant: str, path) -> Future:
         return self._in_order(tenant, lambda: self.rt.load_state(tenant, path))
 
+    def remove_slot(self, tenant: str) -> Future:
+        """After the tenant's calls; then it holds no place in the call order either."""
+        out = self._in_order(tenant, lambda: self.rt.remove_slot(tenant))
+
+        def forget(_) -> None:
+            with self._lock:
+                if self._last.get(tenant) is out:
+                    del self._last[tenant]
+
+        out.add_done_callback(forget)
+        return out
+
     @property
     def replicas(self) -> dict[str, _Replica]:
         return {name: _Replica(actor) for name, actor in dict(self.rt.replicas).items()}

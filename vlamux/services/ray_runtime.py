@@ -30,7 +30,7 @@ import torch
 from vlamux.errors import UnknownBackboneError, UnknownTenantError
 from vlamux.model import BackboneSpec, HeadSpec, Observation, OptimizerSpec
 from vlamux.model.slot import PolicySnapshot
-from vlamux.services.control import PolicyPublisher
+from vlamux.services.control import PolicyPublisher, Retired
 from vlamux.services.environment import EnvironmentService, check_dataset_root, obs_to_observation
 from vlamux.services.shipping import Shipment
 from vlamux.services.health import HealthManager, Role
@@ -39,6 +39,7 @@ from vlamux.services import shipping
 from vlamux.services.queues import InferenceQueueConfig
 from vlamux.services.runtime import RuntimeConfig, _Recipe, lane_priority, placed_backbones
 from vlamux.services.training import TrainingModelService
+from vlamux.utils.once import SingleFlight
 
 log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 120.0
@@ -158,6 +159,9 @@ class TrainingActor(_Actor):
 
     def create_slot(self, tenant, head_spec, optim=None, seed=0, stats=None, backbone_id=None):
         return self.svc.create_slot(tenant, head_spec, optim, seed, stats, backbone_id).result(CALL_TIMEOUT_S)
+
+    def remove_slot(self, tenant) -> dict:
+        return self.svc.remove_slot(tenant).result(CALL_TIMEOUT_S)
 
     def describe_backbones(self) -> list[dict]:
         curves = self.svc.runner.group_curves
@@ -289,6 +293,7 @@ class RayRuntime:
         self._names = itertools.count()
         self._env_names = itertools.count()
         self._lock = threading.RLock()
+        self._calibration = SingleFlight()
         self.replicas: dict[str, ray.actor.ActorHandle] = {}
         self._outstanding: dict[str, int] = {}  # requests sent to each replica, not yet answered
         self._incarnations: dict[str, str] = {}
@@ -412,13 +417,46 @@ class RayRuntime:
         return self._remember_after(tenant, self.training.create_slot.remote(tenant, head_spec, optim, seed, stats,
                                                                             backbone_id))
 
-    def calibrate(self) -> dict:
-        """Every model service measures its group caps again: {service: curves}."""
+    def remove_slot(self, tenant: str) -> Future:
+        """Free the tenant's slot in training and in every replica (the training actor's publisher
+        retires it there), after its queued operations; a restart no longer brings it back."""
         with self._lock:
-            actors = {"training": self.training, **self.replicas}
-        out = {name: ray.get(a.calibrate.remote(), timeout=CALL_TIMEOUT_S + 10) for name, a in actors.items()}
-        self._backbones = None  # described afresh, with the new caps
-        return out
+            self._recipes.pop(tenant, None)
+            self._checkpoints.pop(tenant, None)
+
+        def gone(out):
+            self.latest.pop(tenant, None)
+            return out
+
+        return _then(self.training.remove_slot.remote(tenant).future(), gone)
+
+    def serve(self, snap: PolicySnapshot, timeout_s: float = 30.0) -> None:
+        """Serve a policy version that no training slot holds: every replica takes it before this returns."""
+        self.latest[snap.tenant] = snap
+        self._stage_everywhere(snap, timeout_s)
+
+    def retire(self, tenant: str, timeout_s: float = 30.0) -> None:
+        """Stop serving a policy `serve` put on the replicas."""
+        self.latest.pop(tenant, None)
+        self._stage_everywhere(Retired(tenant), timeout_s)
+
+    def _stage_everywhere(self, item, timeout_s: float) -> None:
+        with self._lock:
+            replicas = list(self.replicas.values())
+        ray.get([h.stage_policy.remote(item) for h in replicas], timeout=timeout_s)
+
+    def calibrate(self) -> dict:
+        """Every model service measures its group caps again: {service: curves}. A call while one runs
+        gets that one's result."""
+        def run() -> dict:
+            with self._lock:
+                actors = {"training": self.training, **self.replicas}
+            refs = {name: a.calibrate.remote() for name, a in actors.items()}  # all at once, as embedded
+            out = {name: ray.get(ref, timeout=CALL_TIMEOUT_S + 10) for name, ref in refs.items()}
+            self._backbones = None  # described afresh, with the new caps
+            return out
+
+        return self._calibration.run(run, CALL_TIMEOUT_S + 20)
 
     def describe_backbones(self) -> list[dict]:
         if self._backbones is None:
@@ -499,6 +537,8 @@ class RayRuntime:
                 self._followups.submit(fetch)
 
         def fetch() -> None:
+            if tenant not in self._recipes:  # its slot was removed meanwhile: nothing to keep
+                return
             try:
                 snap = ray.get(self.training.export_policy.remote(tenant), timeout=CALL_TIMEOUT_S)
                 old = self.latest.get(tenant)

@@ -20,12 +20,13 @@ from vlamux.errors import UnknownBackboneError, UnknownTenantError
 from vlamux.model import Backbone, BackboneSpec, HeadSpec, Observation, OptimizerSpec, build_backbone
 from vlamux.model.device import resolve_device, resolve_dtype
 from vlamux.model.slot import PolicySnapshot
-from vlamux.services.control import PolicyPublisher
+from vlamux.services.control import PolicyPublisher, Retired
 from vlamux.services.environment import EnvironmentService
 from vlamux.services.health import HealthManager, Role
 from vlamux.services.inference import InferenceModelService
 from vlamux.services.queues import InferenceQueueConfig, QueueClosed
 from vlamux.services.training import TrainingModelService
+from vlamux.utils.once import SingleFlight
 
 log = logging.getLogger(__name__)
 CALIBRATE_TIMEOUT_S = 300.0  # a model service's re-measurement of its group caps
@@ -156,6 +157,7 @@ class EmbeddedRuntime:
         self._recipes: dict[str, _Recipe] = {}
         self._checkpoints: dict[str, Path] = {}
         self._lock = threading.RLock()
+        self._calibration = SingleFlight()
         self._names = itertools.count()
         self._devices: dict[str, str] = {}  # replica -> its device
         self._started = False
@@ -213,6 +215,25 @@ class EmbeddedRuntime:
             self._recipes[tenant] = _Recipe(head_spec, optim, seed, backbone_id)
         return self.training.create_slot(tenant, head_spec, optim, seed, stats, backbone_id)
 
+    def remove_slot(self, tenant: str) -> Future:
+        """Free the tenant's slot in training and in every replica, after its queued operations; a
+        restart no longer brings it back."""
+        with self._lock:
+            self._recipes.pop(tenant, None)
+            self._checkpoints.pop(tenant, None)
+        return self.training.remove_slot(tenant)
+
+    def serve(self, snap: PolicySnapshot, timeout_s: float = 30.0) -> None:
+        """Serve a policy version that no training slot holds (a finished job's, from its checkpoint):
+        every replica takes it before this returns."""
+        self.publisher.publish(snap)
+        self.publisher.flush(timeout_s)
+
+    def retire(self, tenant: str, timeout_s: float = 30.0) -> None:
+        """Stop serving a policy `serve` put on the replicas."""
+        self.publisher.retire(tenant)
+        self.publisher.flush(timeout_s)
+
     def backbone_names(self) -> list[str]:
         return list(self.config.named_backbones())
 
@@ -239,9 +260,13 @@ class EmbeddedRuntime:
         return out
 
     def calibrate(self) -> dict:
-        """Every model service measures its group caps again (between its groups): {service: curves}."""
-        futures = {svc.name: svc.calibrate() for svc in (self.training, *self.replicas.values())}
-        return {name: f.result(CALIBRATE_TIMEOUT_S) for name, f in futures.items()}
+        """Every model service measures its group caps again (a probe forward at a time, serving in
+        between): {service: curves}. A call while one runs gets that one's result."""
+        def run() -> dict:
+            futures = {svc.name: svc.calibrate() for svc in (self.training, *self.replicas.values())}
+            return {name: f.result(CALIBRATE_TIMEOUT_S) for name, f in futures.items()}
+
+        return self._calibration.run(run, CALIBRATE_TIMEOUT_S + 10)
 
     def save_state(self, tenant: str, path: str | Path) -> Future:
         return self._tracked(tenant, path, self.training.save_state(tenant, path))
@@ -305,7 +330,10 @@ class EmbeddedRuntime:
                 new.runner.apply_policy(published)
         self.training = new.start()
 
-    def _remember(self, snap: PolicySnapshot) -> None:
+    def _remember(self, snap: PolicySnapshot | Retired) -> None:
+        if isinstance(snap, Retired):
+            self.latest.pop(snap.tenant, None)
+            return
         old = self.latest.get(snap.tenant)
         if old is None or old.version <= snap.version:
             self.latest[snap.tenant] = snap

@@ -104,6 +104,11 @@ class TrainingModelService(EngineLoop):
         """Write the tenant's adapter as a PEFT directory."""
         return self.queue.submit(TrainOp(tenant, "export_adapter", (Path(path), base_model)))
 
+    def remove_slot(self, tenant: str) -> Future:
+        """Free the tenant's slot (module, optimizer state, statistics), in order after its other
+        operations, and have every replica free its serving slot."""
+        return self.queue.submit(TrainOp(tenant, "remove_slot"))
+
     def export_policy(self, tenant: str) -> Future:
         """The tenant's current policy version (a PolicySnapshot), taken in order with its other
         operations, so never from the middle of an optimizer step."""
@@ -147,6 +152,8 @@ class TrainingModelService(EngineLoop):
             self.accounting.busy(time.perf_counter() - t0)
             for op in batch:
                 self.queue.done(op.tenant)
+                if op.kind == "remove_slot":
+                    self.queue.forget(op.tenant)
         return len(batch)
 
     def _run_op(self, op: TrainOp):
@@ -157,6 +164,11 @@ class TrainingModelService(EngineLoop):
                 slot.set_stats(**c.stats)
             self._publish(op.tenant)
             return {"policy_version": slot.version}
+        if op.kind == "remove_slot":
+            self.runner.remove_slot(op.tenant)
+            if self.publisher is not None:
+                self.publisher.retire(op.tenant)
+            return {"removed": op.tenant}
         if op.kind == "optim_step":
             out = self.runner.optim_step(op.tenant).unwrap()
             self._publish(op.tenant)

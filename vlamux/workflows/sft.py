@@ -32,8 +32,11 @@ class SFTConfig:
     seed: int = 0
     timeout_s: float = 120.0
 
-
     def __post_init__(self):
+        bad = [k for k, v in self.camera_map.items() if not isinstance(k, str) or not isinstance(v, str)]
+        if bad:
+            raise InvalidInputError(f"camera_map: expected dataset camera key -> camera name (strings), got "
+                                    f"{str(self.camera_map)[:80]}")
         unknown = sorted(set(self.reader) - READER_OPTIONS)
         if unknown:
             raise InvalidInputError(f"reader.{unknown[0]}: unknown option; allowed: {', '.join(sorted(READER_OPTIONS))}")

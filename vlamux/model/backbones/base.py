@@ -24,6 +24,7 @@ class Backbone(nn.Module, abc.ABC):
     kind: str = "builtin"
     schema: InputSchema
     tokenizer: ByteTokenizer
+    prepares_on_device: bool = True  # `prepare` allocates on the device (in a service's rollout pool)
 
     @property
     @abc.abstractmethod
@@ -81,9 +82,19 @@ class Backbone(nn.Module, abc.ABC):
         (the built-in backbone has its own, shared ones)."""
         return None
 
+    def install_tenant_hooks(self) -> None:
+        """The hooks through which a group applies its tenants' own parts inside the shared backbone
+        (adapters; a VLM's query tokens). Installed once, before any lane runs, and idempotent: what
+        a hook applies is the calling thread's (`vlamux.model.adapters.active`), so a new tenant never
+        changes a module that another lane is inside."""
+        from vlamux.model import adapters
+
+        adapters.install(self)
+
     def freeze(self) -> Backbone:
         self.eval()
         self.requires_grad_(False)
+        self.install_tenant_hooks()
         return self
 
     @property

@@ -22,7 +22,7 @@ from vlamux.model.backbones.hf.families import Family, Row, _import, build_proce
 from vlamux.model.batch import InputSchema, Observation
 from vlamux.model.device import to_device
 from vlamux.model.feature import FeatureMeta, TokenType, VLAFeature
-from vlamux.model.queries import placed
+from vlamux.model import queries as query_tokens
 
 MAX_CAMERAS = 8
 
@@ -42,6 +42,7 @@ class HFBatch:
 
 class HFBackbone(Backbone):
     kind = "hf"
+    prepares_on_device = False  # the processor runs on the host; `encode` copies in the forward
 
     def __init__(self, model_dir: ModelDir, family: Family, backbone_id: str, dtype: torch.dtype = torch.float32,
                  layer: int | None = None, max_layers: int | None = None, image_size: int | None = None):
@@ -207,6 +208,10 @@ class HFBackbone(Backbone):
             sample = embed(torch.arange(min(embed.num_embeddings, 4096), device=self.device))
         return {"dim": sample.shape[-1], "std": float(sample.float().std())}
 
+    def install_tenant_hooks(self) -> None:
+        super().install_tenant_hooks()
+        query_tokens.install(self.model.get_input_embeddings())
+
     def _queries_placed(self, batches: list[HFBatch], queries: list | None, length: int):
         """The hook that puts each request's query vectors at its rows' placeholders (the last n_query
         tokens of each row, wherever the family's padding puts them)."""
@@ -223,7 +228,7 @@ class HFBackbone(Backbone):
                 end = n if self.family.padding_side == "right" else length
                 positions[i, end - k:end] = True
         values = torch.cat([q for _, k, q in rows if k])
-        return placed(self.model.get_input_embeddings(), to_device(positions, self.device), values)
+        return query_tokens.placed(self.model.get_input_embeddings(), to_device(positions, self.device), values)
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _image(self, chw: Tensor) -> np.ndarray:

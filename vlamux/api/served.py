@@ -1,0 +1,68 @@
+"""Finished jobs' policies, served from their checkpoints while tenants ask for them.
+
+A job's slot is freed when the job ends: its trained policy lives on in its checkpoints, and no
+training slot holds it. A predict on it puts that policy version on the inference replicas (a serving
+slot: module and statistics, no optimizer) and keeps it there while it is used: at most
+`per_tenant` such policies of one tenant at once (the least recently used goes first), each retired
+after `idle_s` without a predict. What is served is the job's newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+from vlamux.api.faults import NotFound
+
+log = logging.getLogger(__name__)
+
+
+class ServedPolicies:
+    def __init__(self, runtime, per_tenant: int = 4, idle_s: float = 600.0):
+        self.runtime, self.per_tenant, self.idle_s = runtime, per_tenant, idle_s
+        self._last_use: OrderedDict[str, float] = OrderedDict()  # slot key -> last predict, oldest first
+        self._lock = threading.Lock()
+
+    def ensure(self, key: str, tenant_id: str, checkpoints: list, verify) -> None:
+        """The policy of slot `key` is on the replicas: already, or now from the newest of `checkpoints`
+        (the store's records, newest first; `verify` checks a record's file before it is read)."""
+        from vlamux.policy import snapshot_of
+
+        with self._lock:
+            if key in self._last_use:
+                self._last_use[key] = time.monotonic()
+                self._last_use.move_to_end(key)
+                return
+            if not checkpoints:
+                raise NotFound("this job ended without a checkpoint: it has no trained policy to serve")
+            verify(checkpoints[0])
+            snap = dataclasses.replace(snapshot_of(Path(checkpoints[0].path)), tenant=key)
+            mine = [k for k in self._last_use if k.startswith(f"{tenant_id}/")]
+            for old in mine[:max(0, len(mine) - self.per_tenant + 1)]:
+                self._retire(old)
+            self.runtime.serve(snap)
+            self._last_use[key] = time.monotonic()
+
+    def sweep(self) -> int:
+        """Retire what nobody asked for in `idle_s`; how many."""
+        now = time.monotonic()
+        with self._lock:
+            idle = [k for k, t in self._last_use.items() if now - t > self.idle_s]
+            for key in idle:
+                self._retire(key)
+        return len(idle)
+
+    def serving(self) -> list[str]:
+        with self._lock:
+            return list(self._last_use)
+
+    def _retire(self, key: str) -> None:
+        self._last_use.pop(key, None)
+        try:
+            self.runtime.retire(key)
+        except Exception:  # noqa: BLE001 - a replica that missed it drops the slot at its next restart
+            log.exception("retiring the served policy %s", key)
