@@ -1,5 +1,6 @@
 """Training and Inference Model Services on the embedded runtime: concurrency, grouping, versions."""
 
+import dataclasses
 import threading
 
 import pytest
@@ -187,3 +188,35 @@ def test_set_lr_keeps_or_forgets_the_optimizer_moments_and_touches_only_its_tena
                                                for p, s in other.optimizer.state.items())
     with pytest.raises(Exception, match="lr: expected a positive number"):
         train.set_lr("acme", 0)
+
+
+def test_a_removed_slot_leaves_training_and_the_replica_and_a_served_checkpoint_replaces_it(services):
+    """remove_slot frees the tenant's slot in training and (the control plane's retirement) on the
+    replica, after its queued operations; the others keep theirs. A policy served again afterwards from
+    an older version (a finished job's checkpoint) replaces whatever the replica held, even when its
+    retirement and the new version are staged together before a group applies them."""
+    train, infer, pub = services
+    data = tenant_batches(batch=2)
+    obs, act = data["acme"]
+    train.forward_backward("acme", obs, act).result(30)
+    train.optim_step("acme").result(30)
+    old = train.export_policy("acme").result(30).ready()
+    train.forward_backward("acme", obs, act).result(30)
+    train.optim_step("acme").result(30)  # version 2: newer than `old`
+    assert pub.flush(10) and infer.predict("acme", obs, True).result(30)["policy_version"] == 2
+    train.remove_slot("acme").result(30)
+    assert pub.flush(10)
+    infer.run_once(0.0)  # between groups: the retirement applies
+    assert "acme" not in train.tenants() and "acme" not in infer.runner.slots and not infer.serves("acme")
+    with pytest.raises(UnknownTenantError):
+        infer.predict("acme", obs, True)
+    with pytest.raises(UnknownTenantError):
+        train.optim_step("acme").result(30)
+    assert {"bolt", "cobalt", "delta"} <= set(train.tenants()) and {"bolt", "cobalt", "delta"} <= set(infer.runner.slots)
+    assert infer.predict("bolt", data["bolt"][0], True).result(30)["policy_version"] == 0
+
+    pub.publish(old)  # served again from its checkpoint (version 1)
+    assert pub.flush(10) and infer.predict("acme", obs, True).result(30)["policy_version"] == 1
+    pub.retire("acme")
+    pub.publish(dataclasses.replace(old, version=0))  # retired and served again before any group: replaced
+    assert pub.flush(10) and infer.predict("acme", obs, True).result(30)["policy_version"] == 0

@@ -359,7 +359,7 @@ class ServiceHost:
 
     def list_jobs(self, tenant_id: str, state: str | None = None) -> list[dict]:
         recs = self.store.list_jobs(tenant_id, (state,) if state else None)
-        live = self.master.jobs
+        live = dict(self.master.jobs)  # a job leaves it when it ends, on its own thread
         return [{"id": r.id, "name": r.name, "kind": r.kind, "state": r.state, "created_at": r.created_at,
                  "updated_at": r.updated_at,
                  "progress": (live[r.id].progress if r.id in live else r.progress) or {}}

@@ -26,9 +26,8 @@ def service_counters(runtime) -> dict[str, dict[str, float]]:
         for key, amounts in acc.snapshot()["tenants"].items():
             for kind in ("backbone_s", "head_s", "requests"):
                 out[key][kind] += amounts.get(kind, 0.0)
-    env = runtime.environment
-    for key in env.tenants() if hasattr(env, "tenants") else []:
-        out[key]["env_steps"] += env.usage(key).get("env_steps", 0)
+    for key, steps in runtime.environment.env_steps().items():  # one call, however many tenants
+        out[key]["env_steps"] += steps
     return out
 
 

@@ -184,10 +184,15 @@ class MasterService:
         job._set(ended)
 
     def _free(self, tenant: str) -> None:
+        """Its slot goes from training and every replica; once this returns, the replicas have it (so
+        the policy, served again later from a checkpoint, is not overtaken by the retirement)."""
         try:
             self.services.remove_slot(tenant).result(120)
-        except Exception as e:  # noqa: BLE001 - a slot that never came to be has nothing to free
-            log.debug("freeing the slot of %s: %s", tenant, e)
+        except Exception as e:  # noqa: BLE001 - the job's end is told all the same
+            log.warning("freeing the slot of %s: %s: %s", tenant, type(e).__name__, e)
+        publisher = getattr(self.services, "publisher", None)
+        if publisher is not None and not publisher.flush(30):
+            log.warning("freeing the slot of %s: the replicas had not all heard of it after 30 s", tenant)
 
     def _check(self, job: Job) -> None:
         if job.cancel.is_set():

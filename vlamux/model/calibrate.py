@@ -24,7 +24,8 @@ DOUBLING_GAIN = 0.03  # a doubling must save at least this fraction of two half-
 MAX_ROWS = 256
 MAX_CALL_S = 0.25  # stop measuring past forwards this long (a budget larger than this is not probed)
 MAX_PROBE_S = 2.0  # and once probing has taken this long
-PROBE_IMAGE_SIZE = 128  # the probe's cameras where the backbone takes any size
+PROBE_IMAGE_SIZE = 128
+WAIT_STEP_S = 0.01  # a stepped calibration waits this long a step for another probe of the process  # the probe's cameras where the backbone takes any size
 
 
 @dataclass
@@ -72,17 +73,20 @@ def measure(backbone, lane, max_rows: int = MAX_ROWS, repeats: int = 5, max_call
 def measure_steps(backbone, lane, max_rows: int = MAX_ROWS, repeats: int = 5, max_call_s: float = MAX_CALL_S):
     """`measure`, one forward a step: a generator that yields after each timed forward (a service serves
     its queued groups in between) and returns (rows, seconds). A forward's time is its own: each is
-    waited for before the next step."""
+    waited for before the next step. MAX_PROBE_S bounds the probe's own time, not what is served
+    between its steps."""
     sizes, batches, first = [], {}, []
-    r, past, began = 1, 0, time.perf_counter()
-    while r <= max_rows and past < 2 and time.perf_counter() - began < MAX_PROBE_S:
+    r, past, spent = 1, 0, 0.0
+    while r <= max_rows and past < 2 and spent < MAX_PROBE_S:
         # probe on until two doublings in a row stopped paying
+        t0 = time.perf_counter()
         with torch.no_grad():
             batches[r] = probe_group(backbone, r, seed=r)
             backbone.forward_group(batches[r])  # warm-up
             start = lane.mark()
             backbone.forward_group(batches[r])  # a first estimate
             end = _done(lane.mark())
+        spent += time.perf_counter() - t0
         sizes.append(r)
         first.append(lane.seconds(start, end))
         if first[-1] > max_call_s:
@@ -154,18 +158,28 @@ def measured(backbone, budget_s: float | None = None) -> GroupCurve | None:
     return _MEASURED.get(conditions(backbone, backbone.dtype, budget_s))
 
 
-def calibrate(backbone, lane, budget_s: float | None = None, reuse: bool = False, **kw) -> GroupCurve:
+def calibrate(backbone, lane, budget_s: float | None = None, reuse: bool = False, wait_s: float = 60.0,
+              **kw) -> GroupCurve:
     """Measure `backbone`'s curve and choose its cap; reuse=True: a curve this process measured under
-    the same `conditions` is returned as it is."""
-    with _PROBING:
+    the same `conditions` is returned as it is (without waiting for another probe). A TimeoutError
+    after `wait_s` if another probe of this process holds on (a service stuck mid-calibration)."""
+    key = _key(backbone, lane, budget_s, kw)
+    if reuse and key in _MEASURED:
+        return _MEASURED[key]
+    if not _PROBING.acquire(timeout=wait_s):
+        raise TimeoutError(f"another group calibration of this process has run for over {wait_s:g} s")
+    try:
         return _drain(_probe(backbone, lane, budget_s, reuse, kw))
+    finally:
+        _PROBING.release()
 
 
 def calibrate_steps(backbone, lane, budget_s: float | None = None, reuse: bool = False, **kw):
     """`calibrate` in steps, for a service that serves between them: a generator that yields after
-    each probe forward (and, while another probe of this process runs, instead of starting its own:
-    it never blocks its caller) and returns the curve."""
-    while not _PROBING.acquire(blocking=False):
+    each probe forward, and while another probe of this process runs (waiting for it at most
+    `WAIT_STEP_S` a step: its caller never blocks for long), and returns the curve. Closing the
+    generator part-way releases the probe."""
+    while not _PROBING.acquire(timeout=WAIT_STEP_S):
         yield
     try:
         return (yield from _probe(backbone, lane, budget_s, reuse, kw))
@@ -173,9 +187,13 @@ def calibrate_steps(backbone, lane, budget_s: float | None = None, reuse: bool =
         _PROBING.release()
 
 
+def _key(backbone, lane, budget_s, kw: dict) -> tuple:
+    return (*conditions(backbone, lane.dtype, budget_s), *sorted(kw.items()))
+
+
 def _probe(backbone, lane, budget_s: float | None, reuse: bool, kw: dict):
     """The probe itself (the caller holds _PROBING): steps of `measure_steps`, then the cap."""
-    key = (*conditions(backbone, lane.dtype, budget_s), *sorted(kw.items()))
+    key = _key(backbone, lane, budget_s, kw)
     if reuse and key in _MEASURED:
         return _MEASURED[key]
     t0 = time.perf_counter()

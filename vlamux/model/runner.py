@@ -171,14 +171,17 @@ class ModelRunner:
 
         for bid, backbone in self.backbones.items():
             steps = calibrate_steps(backbone, self.lane, budget_s, **kw)
-            while True:
-                try:
-                    with self.lane.active():
-                        next(steps)
-                except StopIteration as done:
-                    self._learned(bid, done.value)
-                    break
-                yield
+            try:
+                while True:
+                    try:
+                        with self.lane.active():
+                            next(steps)
+                    except StopIteration as done:
+                        self._learned(bid, done.value)
+                        break
+                    yield
+            finally:  # closed part-way: the probe it holds is released now, not when collected
+                steps.close()
         return dict(self.group_curves)
 
     def _learned(self, bid: str, curve: GroupCurve) -> None:

@@ -34,7 +34,8 @@ class PolicyPublisher:
     def __init__(self):
         self.busy_s = 0.0
         self._subscribers: dict[str, Callable[[PolicySnapshot], None]] = {}
-        self._pending: dict[str, PolicySnapshot] = {}  # tenant -> newest undelivered snapshot
+        self._pending: dict[str, PolicySnapshot | Retired] = {}  # tenant -> newest undelivered snapshot
+        self._after_retired: dict[str, PolicySnapshot] = {}  # a version published after a pending retirement
         self._cv = threading.Condition()
         self._running = False
         self._thread: threading.Thread | None = None
@@ -53,7 +54,11 @@ class PolicyPublisher:
     def publish(self, snap: PolicySnapshot) -> None:
         with self._cv:
             old = self._pending.get(snap.tenant)
-            if old is None or isinstance(old, Retired) or old.version <= snap.version:
+            if isinstance(old, Retired):  # served again after its retirement: delivered after it, in order
+                after = self._after_retired.get(snap.tenant)
+                if after is None or after.version <= snap.version:
+                    self._after_retired[snap.tenant] = snap
+            elif old is None or old.version <= snap.version:
                 self._pending[snap.tenant] = snap
             self._cv.notify_all()
 
@@ -61,6 +66,7 @@ class PolicyPublisher:
         """Every subscriber frees the tenant's serving slot (a version of it still waiting goes unsent)."""
         with self._cv:
             self._pending[tenant] = Retired(tenant)
+            self._after_retired.pop(tenant, None)
             self._cv.notify_all()
 
     def start(self) -> None:
@@ -78,7 +84,8 @@ class PolicyPublisher:
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every published snapshot has been delivered; False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: not self._pending and not self._delivering, timeout)
+            return self._cv.wait_for(lambda: not self._pending and not self._after_retired and not self._delivering,
+                                     timeout)
 
     def _loop(self) -> None:
         while True:
@@ -86,7 +93,8 @@ class PolicyPublisher:
                 self._cv.wait_for(lambda: self._pending or not self._running)
                 if not self._running and not self._pending:
                     return
-                batch, self._pending = list(self._pending.values()), {}
+                batch = [*self._pending.values(), *self._after_retired.values()]  # retirements first
+                self._pending, self._after_retired = {}, {}
                 self._delivering = True
                 subscribers = list(self._subscribers.items())
             t0 = time.perf_counter()

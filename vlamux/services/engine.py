@@ -28,16 +28,21 @@ class EngineLoop:
 
     def _loop(self) -> None:
         self.runner.lane.claim_thread()  # a low lane (training) yields shared cores to a high one
-        while self._running:
-            self.heartbeat = time.monotonic()
-            try:
-                if self._calibration is not None:  # one probe forward, then whatever is due: serving goes on
-                    self._calibration_step()
-                    self.run_once(0.0)
-                else:
-                    self.run_once(0.05)
-            except Exception:  # noqa: BLE001 - the engine must outlive one bad batch
-                log.exception("%s: engine iteration failed", self.name)
+        try:
+            while self._running:
+                self.heartbeat = time.monotonic()
+                try:
+                    if self._calibration is not None:  # one probe forward, then whatever is due
+                        self._calibration_step()
+                        self.run_once(0.0)
+                    else:
+                        self.run_once(0.05)
+                except Exception:  # noqa: BLE001 - the engine must outlive one bad batch
+                    log.exception("%s: engine iteration failed", self.name)
+        finally:
+            steps, self._calibration_steps = self._calibration_steps, None
+            if steps is not None:
+                steps.close()  # a probe cut short releases the process's probe lock
 
     def calibrate(self) -> Future:
         """Measure the group caps again, a probe forward at a time between groups; the future gets the
@@ -60,6 +65,8 @@ class EngineLoop:
             outcome = e
         with self._calibration_lock:
             fut, self._calibration, self._calibration_steps = self._calibration, None, None
+        if fut is None:  # stopped meanwhile: stop() has answered its callers
+            return
         fut.set_exception(outcome) if isinstance(outcome, Exception) else fut.set_result(outcome)
 
     def _calibrate(self, force: bool = True) -> None:
@@ -87,8 +94,6 @@ class EngineLoop:
             self._thread.join(timeout=join_timeout_s)
         with self._calibration_lock:
             fut, self._calibration = self._calibration, None
-            if self._thread is None or not self._thread.is_alive():
-                self._calibration_steps = None  # a probe cut short releases the process's probe lock
         if fut is not None and not fut.done():
             fut.set_exception(RuntimeError(f"{self.name} stopped before its calibration ended"))
 

@@ -638,6 +638,11 @@ class EnvironmentService:
         with self._lock:
             return sorted(set(self._usage) | {s.tenant for s in self._sessions.values()})
 
+    def env_steps(self) -> dict[str, int]:
+        """Every tenant's env steps since the service started, in one call (what metering reads)."""
+        with self._lock:
+            return {t: c.as_dict().get("env_steps", 0) for t, c in self._usage.items()}
+
     def usage(self, tenant: str) -> dict:
         """The tenant's totals since the service started (closed sessions included) and per open handle."""
         tenant = _tenant(tenant)

@@ -42,7 +42,8 @@ class InferenceModelService(EngineLoop):
         self.backbone = self.runner.backbones[self.runner.default_backbone]
         self.queue = InferenceQueue(queue)
         self.accounting = Accounting()
-        self._staged: dict[str, PolicySnapshot] = {}
+        self._staged: dict[str, PolicySnapshot | Retired] = {}
+        self._fresh: set[str] = set()  # staged after a retirement: replaces the slot, whatever its version
         self._staged_lock = threading.Lock()
 
     # ---- control plane ----------------------------------------------------------------------------
@@ -58,6 +59,8 @@ class InferenceModelService(EngineLoop):
                              f"{sorted(self.runner.backbones)}")
         with self._staged_lock:
             old = self._staged.get(snap.tenant)
+            if isinstance(old, Retired):  # retired, then served again (a finished job's checkpoint)
+                self._fresh.add(snap.tenant)
             if old is None or isinstance(old, Retired) or old.version <= snap.version:
                 self._staged[snap.tenant] = snap
 
@@ -66,12 +69,13 @@ class InferenceModelService(EngineLoop):
         # The weights are copied on the lane's copy stream, after the producer's copy is complete,
         # and the next group waits for them: a group runs wholly on one version of each tenant.
         with self._staged_lock:
-            staged, self._staged = self._staged, {}
+            (staged, self._staged), (fresh, self._fresh) = (self._staged, {}), (self._fresh, set())
             for tenant, snap in staged.items():
                 slot = self.runner.slots.get(tenant)
+                if slot is not None and (isinstance(snap, Retired) or tenant in fresh):
+                    self.runner.remove_slot(tenant)
+                    slot = None
                 if isinstance(snap, Retired):
-                    if slot is not None:
-                        self.runner.remove_slot(tenant)
                     self.queue.forget(tenant)
                     continue
                 if slot is not None and snap.version < slot.version:

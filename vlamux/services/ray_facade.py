@@ -45,6 +45,14 @@ class _Environment:
         answers = [_get(r) for r in self._rt.env_all("usage", tenant).values()]
         return {"env_steps": sum(a.get("env_steps", 0) for a in answers)}
 
+    def env_steps(self) -> dict[str, int]:
+        """Every tenant's env steps, summed over the replicas: one call to each."""
+        out: dict[str, int] = {}
+        for answer in [_get(r) for r in self._rt.env_all("env_steps").values()]:
+            for tenant, n in answer.items():
+                out[tenant] = out.get(tenant, 0) + n
+        return out
+
 
 class _Accounting:
     def __init__(self, actor):

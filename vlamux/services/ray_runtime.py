@@ -161,7 +161,11 @@ class TrainingActor(_Actor):
         return self.svc.create_slot(tenant, head_spec, optim, seed, stats, backbone_id).result(CALL_TIMEOUT_S)
 
     def remove_slot(self, tenant) -> dict:
-        return self.svc.remove_slot(tenant).result(CALL_TIMEOUT_S)
+        """Removed here, and retired on every replica before this returns (so a policy served to them
+        afterwards, from a checkpoint, cannot be overtaken by the retirement)."""
+        out = self.svc.remove_slot(tenant).result(CALL_TIMEOUT_S)
+        self.flush(CALL_TIMEOUT_S)
+        return out
 
     def describe_backbones(self) -> list[dict]:
         curves = self.svc.runner.group_curves
@@ -425,10 +429,19 @@ class RayRuntime:
             self._checkpoints.pop(tenant, None)
 
         def gone(out):
-            self.latest.pop(tenant, None)
+            with self._lock:
+                self.latest.pop(tenant, None)
             return out
 
-        return _then(self.training.remove_slot.remote(tenant).future(), gone)
+        def failed(e: BaseException) -> None:  # the replicas drop it all the same (it may never have been made)
+            with self._lock:
+                self.latest.pop(tenant, None)
+            if not self._stopping:
+                self._followups.submit(self._stage_everywhere, Retired(tenant), CALL_TIMEOUT_S)
+
+        fut = _then(self.training.remove_slot.remote(tenant).future(), gone)
+        fut.add_done_callback(lambda f: f.exception() is not None and failed(f.exception()))
+        return fut
 
     def serve(self, snap: PolicySnapshot, timeout_s: float = 30.0) -> None:
         """Serve a policy version that no training slot holds: every replica takes it before this returns."""
@@ -451,8 +464,9 @@ class RayRuntime:
         def run() -> dict:
             with self._lock:
                 actors = {"training": self.training, **self.replicas}
-            refs = {name: a.calibrate.remote() for name, a in actors.items()}  # all at once, as embedded
-            out = {name: ray.get(ref, timeout=CALL_TIMEOUT_S + 10) for name, ref in refs.items()}
+            # one actor after another: each is a process of its own, and two probing at once on shared
+            # cores (or a shared GPU) would time each other's load
+            out = {name: ray.get(a.calibrate.remote(), timeout=CALL_TIMEOUT_S + 10) for name, a in actors.items()}
             self._backbones = None  # described afresh, with the new caps
             return out
 
@@ -541,9 +555,10 @@ class RayRuntime:
                 return
             try:
                 snap = ray.get(self.training.export_policy.remote(tenant), timeout=CALL_TIMEOUT_S)
-                old = self.latest.get(tenant)
-                if old is None or old.version <= snap.version:
-                    self.latest[tenant] = snap
+                with self._lock:  # removed while it was fetched: not brought back
+                    old = self.latest.get(tenant)
+                    if tenant in self._recipes and (old is None or old.version <= snap.version):
+                        self.latest[tenant] = snap
             except Exception:  # noqa: BLE001 - the next version will be kept
                 if not self._stopping:
                     log.exception("keeping tenant %r's policy failed", tenant)

@@ -221,7 +221,10 @@ class EmbeddedRuntime:
         with self._lock:
             self._recipes.pop(tenant, None)
             self._checkpoints.pop(tenant, None)
-        return self.training.remove_slot(tenant)
+        fut = self.training.remove_slot(tenant)
+        # refused (never made, or the training role went down meanwhile): the replicas drop it all the same
+        fut.add_done_callback(lambda f: f.exception() is not None and self.publisher.retire(tenant))
+        return fut
 
     def serve(self, snap: PolicySnapshot, timeout_s: float = 30.0) -> None:
         """Serve a policy version that no training slot holds (a finished job's, from its checkpoint):

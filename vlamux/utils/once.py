@@ -29,4 +29,7 @@ class SingleFlight:
             finally:
                 with self._lock:
                     self._running = None
-        return fut.result(timeout_s)
+        try:
+            return fut.result(timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"the run in progress had not ended after {timeout_s:g} s") from None
