@@ -13,7 +13,8 @@ them cannot beat that bound, and contention keeps it lower still.
 With --warm-start, both modes start RL from the same behaviour-cloned policy (SFT on scripted
 demonstrations through the services), so the success curves compare sample efficiency where there is
 success to compare; from a random initialisation both stay near zero at this budget.
-Writes bench/results/async_rl.json (quick runs: async_rl_quick.json).
+Writes bench/results/async_rl.json (quick runs: async_rl_quick.json), rewritten as each mode's run
+finishes ("partial" until the run ends: bench/common.py's ResultFile; a run cut short keeps its modes).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 ROOT = Path(__file__).resolve().parent.parent
 
-from common import PoolSampler, cpu_seconds, environment, print_table, split_cores, write_json  # noqa: E402
+from common import AllocatorPeaks, ResultFile, cpu_seconds, environment, print_table, split_cores  # noqa: E402
 from vlamux.envs import EnvSpec  # noqa: E402
 from vlamux.model import HeadSpec, OptimizerSpec  # noqa: E402
 from vlamux.model.backbones import spec_from_arg  # noqa: E402
@@ -149,9 +150,11 @@ def curve(stats: dict, window: int = 20) -> list[list[float]]:
 cfg_lr = 1e-4
 
 
-def measure(args, split: bool, steps: int, image: int, env, head, cfg, device, dtype) -> dict:
+def measure(args, split: bool, steps: int, image: int, env, head, cfg, device, dtype,
+            result: ResultFile | None = None) -> dict:
     """Sync then async on one runtime (shared cores, or split: services on core 0, simulators on core
-    1): both modes' figures and the bounds of their speedup from the same run."""
+    1): both modes' figures and the bounds of their speedup from the same run. `result`: each mode's
+    figures go there as it finishes (top level, or under "split")."""
     rt = make_runtime(args.runtime, args.preset, args.batch_rows or args.n_envs, args.threads, str(device),
                       dtype_name(dtype), split=split, prioritize=not args.no_priority)
     tenants = [f"tenant{i}" for i in range(args.tenants)]
@@ -171,9 +174,13 @@ def measure(args, split: bool, steps: int, image: int, env, head, cfg, device, d
             for t in tenants:
                 warm_start(rt, head, t, image, args.warm_start, args.warm_demos, warm[t])
         results = {}
-        with PoolSampler(device) as pools:
+        with AllocatorPeaks(device) as pools:
             for mode in ("sync", "async"):
                 results[mode] = r = run_mode(rt, mode, tenants, head, cfg, warm)
+                if result is not None:
+                    section = result.payload.setdefault("split", {}) if split else result.payload
+                    section[mode] = r
+                    result.mark(f"{'split' if split else 'shared'} {mode}")
                 print(f"  {mode:5s}: {r['steps_per_s']:7.1f} env steps/s over {r['wall_s']:.1f}s; lanes busy "
                       + ", ".join(f"{k} {v:.1f}s" for k, v in r["lane_busy_s"].items()), flush=True)
     finally:
@@ -270,16 +277,18 @@ def main(argv=None) -> int:
     settings = ["shared", "split"] if args.placement == "both" else [args.placement]
     if args.runtime == "ray" and "split" in settings:
         ap.error("--placement split is the embedded runtime's (Ray places actors by its own resources)")
-    payload = {}
+    result = ResultFile("async_rl_quick.json" if args.quick else "async_rl.json", args.out,
+                        [f"{setting} {mode}" for setting in settings for mode in ("sync", "async")])
+    payload = result.payload
     for setting in settings:
-        out = measure(args, setting == "split", steps, image, env, head, cfg, device, dtype)
+        out = measure(args, setting == "split", steps, image, env, head, cfg, device, dtype, result)
         if setting == "shared":
             payload.update(out)
         else:
             payload["split"] = out
     if "split" in settings and "shared" not in settings:
         payload = {**payload["split"], "split": payload["split"]}
-    path = write_json("async_rl_quick.json" if args.quick else "async_rl.json", payload, args.out)
+    path = result.finish(payload)
     print(f"wrote {path}")
     return 0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import platform
 import statistics
 import time
@@ -65,10 +66,58 @@ def environment(device, dtype: torch.dtype | None = None) -> dict:
 
 
 def write_json(name: str, payload, out: str | None = None) -> Path:
+    """`payload` as JSON to `out` (default bench/results/NAME), atomically: written beside it, then renamed
+    over it, so a reader (or a run killed mid-write) never sees half a file."""
     path = Path(out) if out else RESULTS / name
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(payload, indent=2) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
+
+
+def cell_key(mode: str, n: int, b: int) -> str:
+    """A grid cell's name in a result file's "planned" and "done" lists: "inference 8x1"."""
+    return f"{mode} {n}x{b}"
+
+
+class ResultFile:
+    """A benchmark's result file, written as its cells finish, so a run cut short (a time limit, a kill)
+    keeps every cell it measured. The file holds the payload plus "partial" (true until `finish`),
+    "planned" (the keys of the cells the run means to measure) and "done" (those finished, in order); it
+    is rewritten atomically (`write_json`) at the start and after each cell, and once more by `finish`
+    with "partial": false. `payload` is the benchmark's own dict: change it in place between cells (a
+    grid benchmark appends to its "cells" with `cell`), or hand `finish` the final one."""
+
+    def __init__(self, name: str, out: str | None, planned: list[str], **payload):
+        self.name, self.out = name, out
+        self.planned = list(planned)
+        self.done: list[str] = []
+        self.payload: dict = payload
+        self.path = self._write(partial=True)
+
+    def cell(self, key: str, cell: dict) -> None:
+        """A grid cell finished: appended to the payload's "cells", and the file rewritten."""
+        self.payload.setdefault("cells", []).append(cell)
+        self.mark(key)
+
+    def mark(self, key: str) -> None:
+        """The planned cell `key` finished (its figures already in the payload): the file rewritten."""
+        self.done.append(key)
+        self._write(partial=True)
+
+    def finish(self, payload: dict | None = None) -> Path:
+        """The run completed: the final payload (default: the one built up), "partial": false."""
+        if payload is not None:
+            self.payload = payload
+        return self._write(partial=False)
+
+    def _write(self, partial: bool) -> Path:
+        return write_json(self.name, {"partial": partial, "planned": self.planned, "done": self.done,
+                                      **self.payload}, self.out)
 
 
 def cpu_seconds() -> float:
@@ -112,44 +161,25 @@ def parse_grid(text: str) -> list[tuple[int, int]]:
     return cells
 
 
-class PoolSampler:
-    """Samples a device's memory by pool (vlamux.model.memory: the model's, and every service's
-    rollout pool together) on a thread while a benchmark runs, keeping each pool's peak; zeros on a
-    CPU. Use as a context manager; `last` holds the final reading with the peaks."""
+class AllocatorPeaks:
+    """A device's memory over a benchmark's run, from the allocator (vlamux.model.memory.peaks): its
+    peak counters reset on entry, read on exit into `last` (peak allocated and reserved over every
+    pool, and the reserved bytes of the rollout pools and of the model's share); zeros on a CPU."""
 
-    def __init__(self, device, every_s: float = 0.1):
-        import threading
-
+    def __init__(self, device):
         self.device = device
-        self.every_s = every_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self.peak = {"model": 0, "rollout": 0}
         self.last: dict = {}
 
-    def _read(self) -> dict:
-        from vlamux.model.memory import device_memory
+    def __enter__(self) -> "AllocatorPeaks":
+        from vlamux.model.memory import reset_peaks
 
-        out = device_memory(self.device)
-        for pool in self.peak:
-            self.peak[pool] = max(self.peak[pool], out[pool]["allocated_bytes"])
-            out[pool]["peak_allocated_bytes"] = self.peak[pool]
-        return out
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            self.last = self._read()
-
-    def __enter__(self) -> "PoolSampler":
-        if str(self.device).startswith("cuda"):
-            self._thread.start()
+        reset_peaks(self.device)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(5)
-        self.last = self._read()
+        from vlamux.model.memory import peaks
+
+        self.last = peaks(self.device)
 
 
 def plain_heads(heads: list, mode: str, state: torch.Tensor, actions: torch.Tensor,

@@ -1,7 +1,8 @@
 """Rendered environment steps per second, per backend, with one and two worker processes.
 
 Each sub-env renders its cameras (agentview + wrist, 128x128) on every step; random actions;
-finished episodes are reset (the reset time counts). Writes bench/results/env_throughput.json.
+finished episodes are reset (the reset time counts). Writes bench/results/env_throughput.json
+({"cells": [...]}, rewritten as each cell finishes; "partial" until the run ends: bench/common.py).
 
     python bench/env_throughput.py [--seconds 10] [--quick]
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import print_table, write_json  # noqa: E402
+from common import ResultFile, print_table  # noqa: E402
 
 from vlamux.envs import EnvSpec  # noqa: E402
 from vlamux.envs.workers import VectorEnv  # noqa: E402
@@ -64,19 +65,27 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     seconds = 2.0 if args.quick else args.seconds
-    rows = []
-    for backend, spec in BACKENDS.items():
-        if not installed(backend):
+    backends = []
+    for backend in BACKENDS:
+        if installed(backend):
+            backends.append(backend)
+        else:
             print(f"  {backend}: not installed, skipped")
-            continue
+    result = ResultFile("env_throughput_quick.json" if args.quick else "env_throughput.json", args.out,
+                        [f"{backend} {workers}w" for backend in backends for workers in (1, 2)], cells=[],
+                        config={"seconds": seconds, "envs_per_worker": args.envs_per_worker,
+                                "render_device": args.render_device})
+    rows = result.payload["cells"]
+    for backend in backends:
+        spec = BACKENDS[backend]
         for workers in (1, 2):
             sps = measure(spec, workers, args.envs_per_worker, seconds, args.render_device)
-            rows.append({"backend": backend, "workers": workers, "steps_per_s": sps,
-                         "image_size": spec.image_size, "cameras": len(spec.cameras)})
+            result.cell(f"{backend} {workers}w", {"backend": backend, "workers": workers, "steps_per_s": sps,
+                                                  "image_size": spec.image_size, "cameras": len(spec.cameras)})
             print(f"  {backend} workers={workers}: {sps:.0f} rendered steps/s", flush=True)
     print()
     print_table(rows, [("backend", "s"), ("workers", "d"), ("steps_per_s", ".0f")])
-    path = write_json("env_throughput_quick.json" if args.quick else "env_throughput.json", rows, args.out)
+    path = result.finish()
     print(f"wrote {path}")
     return 0
 

@@ -11,7 +11,8 @@ in one run, interleaved, the head phase of a group as the model runner executes 
           the textbook way, measured for comparison
 inference = sampling an action chunk; train = forward_backward (loss and gradients, applied to each
 tenant's slot). Both contenders include the inputs' checks, the tenants' random draws, the
-normalisation and the one host transfer of the results. Writes bench/results/fused_heads.json.
+normalisation and the one host transfer of the results. Writes bench/results/fused_heads.json, cell
+by cell (each (N, b) in both modes before the next; "partial" until the run ends: bench/common.py).
 
     python bench/fused_heads.py [--quick] [--preset tiny] [--device auto] [--dtype auto]
 """
@@ -27,8 +28,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (add_cell_arguments, cell_plan, environment, interleaved_medians, plain_heads,  # noqa: E402
-                    print_table, write_json)
+from common import (ResultFile, add_cell_arguments, cell_key, cell_plan, environment,  # noqa: E402
+                    interleaved_medians, plain_heads, print_table)
 
 from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone  # noqa: E402
 from vlamux.model.backbones import spec_from_arg  # noqa: E402
@@ -38,6 +39,7 @@ from vlamux.synthetic import TaskProfile, make_batch  # noqa: E402
 
 FULL_GRID = [(n, b) for n in (1, 2, 4, 8, 16) for b in (1, 4)]
 QUICK_GRID = [(1, 1), (8, 1), (8, 4)]
+MODES = ("inference", "train")
 TEMPLATES = ["pick up the {color} block", "push {color} cube away", "touch the {color} ball", "grab {color} box now"]
 
 
@@ -161,21 +163,24 @@ def main(argv=None) -> int:
     env = environment(backbone.device, backbone.dtype)  # as built, not as asked
     print(f"fused heads: {args.head} heads on {args.preset} features, device={device}, dtype={env['dtype']}, "
           f"threads={env['threads']}, repeats={repeats}", flush=True)
-    cells = []
-    for mode in ("inference", "train"):
-        for n, b in grid:
+    result = ResultFile("fused_heads_quick.json" if args.quick else "fused_heads.json", args.out,
+                        [cell_key(mode, n, b) for n, b in grid for mode in MODES], cells=[],
+                        config={"preset": args.preset, "head": args.head, "repeats": repeats, "min_seconds": min_s,
+                                **env})
+    cells = result.payload["cells"]
+    for n, b in grid:  # each cell in both modes before the next: a run cut short keeps whole cells
+        for mode in MODES:
             cell = measure_cell(backbone, n, b, mode, args.head, repeats, min_s, args.vmap)
             cell.update(preset=args.preset, device=str(device), dtype=env["dtype"])
-            cells.append(cell)
+            result.cell(cell_key(mode, n, b), cell)
             extra = f", vmap {cell['vmap_speedup']:.2f}x" if "vmap_speedup" in cell else ""
             print(f"  {mode:9s} N={n:2d} b={b}: loop {cell['loop_s'] * 1e3:7.2f} ms  fused {cell['fused_s'] * 1e3:7.2f} "
                   f"ms  -> {cell['speedup']:.2f}x (limit {cell['limit_speedup']:.2f}x){extra}", flush=True)
     print()
     columns = [("mode", "s"), ("n_tenants", "d"), ("local_batch", "d"), ("loop_s", ".5f"), ("fused_s", ".5f"),
                ("speedup", ".2f"), ("limit_speedup", ".2f"), ("of_limit", ".2f")]
-    print_table(cells, columns)
-    path = write_json("fused_heads_quick.json" if args.quick else "fused_heads.json",
-                      {"cells": cells, "config": {"preset": args.preset, "head": args.head, **env}}, args.out)
+    print_table(sorted(cells, key=lambda c: MODES.index(c["mode"])), columns)
+    path = result.finish()
     target = next((c for c in cells if c["mode"] == "inference" and c["n_tenants"] == 8 and c["local_batch"] == 1),
                   None)
     if target:

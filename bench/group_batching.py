@@ -12,8 +12,10 @@ times in one run, interleaved:
   packed     the backbone's own group path (`forward_group`, packed tokens) on the tenants' own
              batches vs N raw backbone calls (`packed_speedup`, the old "limit")
 with the runner's group cap learned from this hardware (`ModelRunner.calibrate`; `--no-cap`: none),
-and writes bench/results/group_batching.json (a list of cells); on a transformers VLM
-(--backbone DIR) group_batching_hf.json, the same cells.
+and writes bench/results/group_batching.json ({"cells": [...], "config": ...}); on a transformers VLM
+(--backbone DIR) group_batching_hf.json, the same cells. Each (N, b) cell runs in both modes before the
+next, in the order given, and the file is rewritten after each (bench/common.py's ResultFile: "partial"
+until the run ends), so a run cut short keeps the cells it finished.
 
     python bench/group_batching.py            # full grid, N, b in {1, 2, 4, 8}
     python bench/group_batching.py --quick    # reduced grid, under a minute
@@ -30,8 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (add_cell_arguments, cell_plan, environment, interleaved_medians, plain_model,  # noqa: E402
-                    print_table, write_json)
+from common import (ResultFile, add_cell_arguments, cell_key, cell_plan, environment,  # noqa: E402
+                    interleaved_medians, plain_model, print_table)
 
 from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone
 from vlamux.model.backbones import spec_from_arg
@@ -43,6 +45,7 @@ HEAD_KINDS = ["l1_chunk", "flow", "gaussian", "bins"]
 TEMPLATES = ["pick up the {color} block", "push {color} cube away", "touch the {color} ball", "grab {color} box now"]
 FULL_GRID = list(itertools.product([1, 2, 4, 8], [1, 2, 4, 8]))
 QUICK_GRID = [(1, 1), (2, 1), (8, 1), (4, 2)]
+MODES = ("inference", "train")
 
 
 def build_cell(backbone, n_tenants: int, local_batch: int):
@@ -133,27 +136,32 @@ def main(argv=None) -> int:
     print(f"group batching: backbone={label} ({backbone.num_parameters() / 1e6:.1f}M params), "
           f"device={device}, dtype={env['dtype']}, threads={env['threads']}, repeats={repeats}, "
           f"cells={len(grid) * 2}", flush=True)
+    stem = "group_batching_hf" if backbone.kind == "hf" else "group_batching"
+    family = backbone.describe().get("family", "builtin")
+    config = {"preset": label, "backbone": family, "repeats": repeats, "min_seconds": min_s, "group_cap": None, **env}
+    result = ResultFile(f"{stem}_quick.json" if args.quick else f"{stem}.json", args.out,
+                        [cell_key(mode, n, b) for n, b in grid for mode in MODES], cells=[], config=config)
     curves = None
     if not args.no_cap:
         curves = ModelRunner(backbone).calibrate()
         c = curves[backbone.backbone_id]
+        config["group_cap"] = c.describe()
         print(f"learned group cap: {c.cap} rows ({c.reason}); curve "
               + ", ".join(f"{r}: {s * 1e3:.1f} ms" for r, s in zip(c.rows, c.seconds)), flush=True)
-    cells = []
-    for mode in ("inference", "train"):
-        for n, b in grid:
+    cells = result.payload["cells"]
+    for n, b in grid:  # each cell in both modes before the next: a run cut short keeps whole cells
+        for mode in MODES:
             cell = measure_cell(backbone, n, b, mode, repeats, min_s, str(device), curves)
-            cell.update(preset=label, backbone=backbone.describe().get("family", "builtin"), device=str(device),
-                        dtype=env["dtype"])
-            cells.append(cell)
+            cell.update(preset=label, backbone=family, device=str(device), dtype=env["dtype"])
+            result.cell(cell_key(mode, n, b), cell)
             print(f"  {mode:9s} N={n} b={b}: speedup {cell['speedup']:.2f}x, limit {cell['limit_speedup']:.2f}x, "
                   f"packed {cell['packed_speedup']:.2f}x", flush=True)
     print()
-    print_table(cells, [("mode", "s"), ("n_tenants", "d"), ("local_batch", "d"), ("serial_s", ".3f"),
-                        ("grouped_s", ".3f"), ("speedup", ".2f"), ("limit_speedup", ".2f"), ("of_limit", ".2f"),
-                        ("packed_speedup", ".2f"), ("head_fraction", ".2f")])
-    stem = "group_batching_hf" if backbone.kind == "hf" else "group_batching"
-    path = write_json(f"{stem}_quick.json" if args.quick else f"{stem}.json", cells, args.out)
+    print_table(sorted(cells, key=lambda c: MODES.index(c["mode"])),
+                [("mode", "s"), ("n_tenants", "d"), ("local_batch", "d"), ("serial_s", ".3f"),
+                 ("grouped_s", ".3f"), ("speedup", ".2f"), ("limit_speedup", ".2f"), ("of_limit", ".2f"),
+                 ("packed_speedup", ".2f"), ("head_fraction", ".2f")])
+    path = result.finish()
     worst = min(c["of_limit"] for c in cells)
     slowest = min(c["speedup"] for c in cells)
     print(f"\nworst cell: speedup = {worst:.2f} x limit_speedup (target >= 0.90); lowest speedup {slowest:.2f} "

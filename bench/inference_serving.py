@@ -9,8 +9,10 @@ bins), on the `small` preset with two 128x128 cameras, in one run:
   packed     the runner's own grouped execution vs its serial one (`packed_speedup`, the old limit)
 The service's group cap is learned from this hardware at its start (`--no-cap`: none).
 Clients are closed-loop: each sends a request, waits for its chunk, sends the next.
-It also measures the scheduler's own cost per request with a no-op model (scheduler_overhead_us).
-Writes bench/results/inference_serving.json.
+It also measures the scheduler's own cost per request with a no-op model (scheduler_overhead_us), a
+CPU-only figure: on a GPU run it is skipped unless asked for (--scheduler-overhead yes).
+Writes bench/results/inference_serving.json, as each K's limit, baseline and grouped runs finish
+("partial" until the run ends: bench/common.py's ResultFile).
 
     python bench/inference_serving.py [--quick] [--seconds 8]
 """
@@ -26,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, interleaved_medians, plain_model, print_table, write_json  # noqa: E402
+from common import ResultFile, environment, interleaved_medians, plain_model, print_table  # noqa: E402
 
 from vlamux.model import BackboneSpec, HeadSpec, Result, Sample, build_backbone  # noqa: E402
 from vlamux.model.backbones import spec_from_arg  # noqa: E402
@@ -94,7 +96,7 @@ def serve(backbone, population, batch_rows: int, max_wait_s: float, seconds: flo
             "group_rows_mean": svc.queue.stats.snapshot()["group_rows_mean"]}
 
 
-def limit(backbone, population, repeats: int) -> dict:
+def limit(backbone, population, repeats: int, min_seconds: float = 1.0) -> dict:
     """The plain model's dense-batch speedup for K one-row requests (the limit), and the runner's own
     grouped against serial execution (packed), timed interleaved in one run."""
     from vlamux.model import ModelRunner
@@ -110,7 +112,7 @@ def limit(backbone, population, repeats: int) -> dict:
                   **plain_model(backbone, [s.head for s, _ in population], 1, "inference", profile)}
     for fn in contenders.values():
         fn()
-    t = interleaved_medians(contenders, repeats, str(backbone.device), 1.0)
+    t = interleaved_medians(contenders, repeats, str(backbone.device), min_seconds)
     return {"limit_speedup": t["dense_split"] / t["dense_one"], "packed_speedup": t["serial"] / t["grouped"],
             "dense_one_ms": t["dense_one"] * 1e3, "dense_split_ms": t["dense_split"] * 1e3,
             "grouped_forward_ms": t["grouped"] * 1e3, "separate_forward_ms": t["serial"] * 1e3}
@@ -153,6 +155,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sessions", default="1,8,32", help="K values, comma-separated")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-cap", action="store_true", help="the services' groups uncapped (no calibration)")
+    ap.add_argument("--limit-seconds", type=float, default=1.0,
+                    help="time each contender of the limit at least this long per K")
+    ap.add_argument("--scheduler-overhead", choices=("auto", "yes", "no"), default="auto",
+                    help="measure the scheduler's cost with a no-op model (CPU-only; auto: not on a GPU run)")
     add_device_arguments(ap)
     args = ap.parse_args(argv)
     device, dtype = parse_device_arguments(ap, args)
@@ -162,20 +168,30 @@ def main(argv=None) -> int:
     backbone = build_backbone(spec_from_arg(preset), device=device, dtype=dtype)
     env = environment(backbone.device, backbone.dtype)  # as built, not as asked
     print(f"inference serving: preset={preset}, device={device}, dtype={env['dtype']}, threads={env['threads']}, "
-          f"{seconds:.0f}s per cell, T={args.max_wait_ms}ms", flush=True)
-    rows, limits = [], {}
+          f"{seconds:g}s per cell, T={args.max_wait_ms}ms", flush=True)
     ks = [int(k) for k in args.sessions.split(",")]
     cap = None if args.no_cap else "learned"
+    name = "inference_serving_quick.json" if args.quick else "inference_serving.json"
+    config = {"preset": preset, "max_wait_ms": args.max_wait_ms, "seconds": seconds,
+              "limit_seconds": args.limit_seconds, **env}
+    result = ResultFile(name, args.out, [f"K={k} {part}" for k in ks for part in ("limit", "baseline", "grouped")],
+                        cells=[], limits=[], config=config)
+    rows, limits = result.payload["cells"], {}
     for k in ks:
         population = tenants(k, backbone)
-        limits[k] = {"sessions": k, **limit(backbone, population, repeats=3)}
+        limits[k] = {"sessions": k, **limit(backbone, population, 3, args.limit_seconds)}
+        result.payload["limits"].append(limits[k])
+        result.mark(f"K={k} limit")
         speedup = limits[k]["limit_speedup"]
         for mode, b, t in (("baseline", 1, 0.0), ("grouped", k, T)):
             r = serve(backbone, population, b, t, seconds, cap)
             rows.append({"sessions": k, "mode": mode, **r})
+            result.mark(f"K={k} {mode}")
             print(f"  K={k:2d} {mode:8s}: {r['requests_per_s']:7.1f} req/s  p50 {r['p50_ms']:7.1f} ms  "
                   f"p99 {r['p99_ms']:7.1f} ms  (limit {speedup:.2f}x)", flush=True)
-    overhead = scheduler_overhead_us()
+    on_cpu = str(backbone.device) == "cpu"
+    measure_overhead = args.scheduler_overhead == "yes" or (args.scheduler_overhead == "auto" and on_cpu)
+    overhead = scheduler_overhead_us() if measure_overhead else None
     print()
     print_table(rows, [("sessions", "d"), ("mode", "s"), ("requests_per_s", ".1f"), ("p50_ms", ".1f"),
                        ("p99_ms", ".1f"), ("group_rows_mean", ".1f")])
@@ -192,11 +208,12 @@ def main(argv=None) -> int:
     print(f"\nK={k}: grouped throughput = {speedup:.2f} x baseline = {ratio:.2f} x (limit_speedup x baseline) "
           f"(targets >= 0.97 and >= 0.90); p99 {grp['p99_ms']:.0f} ms vs bound T + 2 x grouped forward = "
           f"{p99_bound:.0f} ms; learned cap {curve.cap if curve is not None else None} rows")
-    print(f"scheduler overhead with a no-op model: {overhead:.0f} us per request (target <= 200)")
-    out = write_json("inference_serving_quick.json" if args.quick else "inference_serving.json",
-                     {"cells": rows, "limits": list(limits.values()), "summary": summary,
-                      "config": {"preset": preset, "max_wait_ms": args.max_wait_ms, "seconds": seconds, **env}},
-                     args.out)
+    if overhead is None:
+        print("scheduler overhead with a no-op model: not measured (a CPU-only figure; --scheduler-overhead yes)")
+    else:
+        print(f"scheduler overhead with a no-op model: {overhead:.0f} us per request (target <= 200)")
+    result.payload["summary"] = summary
+    out = result.finish()
     print(f"wrote {out}")
     return 0
 

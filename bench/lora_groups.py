@@ -10,7 +10,8 @@ measured by an independent path, in the same run, interleaved:
              (to the inputs: the frozen model's backward, as an adapter's gradient needs it)
 
 Cells: n_tenants, local_batch, mode, serial_s, grouped_s, speedup, limit_speedup, of_limit,
-lora_overhead (grouped with adapters / plain grouped - 1). Writes bench/results/lora_groups.json.
+lora_overhead (grouped with adapters / plain grouped - 1). Writes bench/results/lora_groups.json, cell
+by cell (each (N, b) in both modes before the next; "partial" until the run ends: bench/common.py).
 
     python bench/lora_groups.py [--quick] [--backbone small|DIR] [--device auto] [--dtype auto]
 """
@@ -24,8 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (add_cell_arguments, cell_plan, environment, interleaved_medians, print_table,  # noqa: E402
-                    write_json)
+from common import (ResultFile, add_cell_arguments, cell_key, cell_plan, environment,  # noqa: E402
+                    interleaved_medians, print_table)
 
 from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone  # noqa: E402
 from vlamux.model.backbones import spec_from_arg  # noqa: E402
@@ -35,6 +36,7 @@ from vlamux.synthetic import TaskProfile, make_batch  # noqa: E402
 
 FULL_GRID = [(n, b) for n in (1, 2, 4, 8) for b in (1, 4)]
 QUICK_GRID = [(1, 1), (8, 1), (4, 4)]
+MODES = ("inference", "train")
 # One shape for every tenant (cameras, instruction length), so the limit's dense batch is the same rows.
 PROFILE = TaskProfile({"agentview": (128, 128), "wrist": (128, 128)}, 7, 8, 8, "pick up the {color} block")
 
@@ -124,28 +126,33 @@ def main(argv=None) -> int:
     backbone = build_backbone(spec_from_arg(args.backbone or ("tiny" if args.quick else "small")), device=device,
                               dtype=dtype)
     env = environment(backbone.device, backbone.dtype)
+    config = {"backbone": backbone.backbone_id, "rank": 8, "repeats": repeats, "min_seconds": min_s,
+              "group_cap": None, **env}
+    result = ResultFile("lora_groups_quick.json" if args.quick else "lora_groups.json", args.out,
+                        [cell_key(mode, n, b) for n, b in grid for mode in MODES], cells=[], config=config)
     if not args.no_cap:
         c = ModelRunner(backbone).calibrate()[backbone.backbone_id]  # kept in this process: every cell's runner
+        config["group_cap"] = c.describe()
         print(f"learned group cap: {c.cap} rows ({c.reason})", flush=True)
     print(f"lora groups: {backbone.backbone_id} ({backbone.num_parameters() / 1e6:.1f}M params), device={device}, "
           f"dtype={env['dtype']}, threads={env['threads']}, repeats={repeats}", flush=True)
-    cells = []
-    for mode in ("inference", "train"):
-        for n, b in grid:
+    cells = result.payload["cells"]
+    for n, b in grid:  # each cell in both modes before the next: a run cut short keeps whole cells
+        for mode in MODES:
             c = measure_cell(backbone, n, b, mode, repeats, min_s)
             c.update(backbone=backbone.backbone_id, device=str(device), dtype=env["dtype"])
-            cells.append(c)
+            result.cell(cell_key(mode, n, b), c)
             print(f"  {mode:9s} N={n} b={b}: speedup {c['speedup']:.2f}x, limit {c['limit_speedup']:.2f}x "
                   f"({c['of_limit']:.2f} of it), lora overhead {c['lora_overhead']:+.0%}", flush=True)
     print()
-    print_table(cells, [("mode", "s"), ("n_tenants", "d"), ("local_batch", "d"), ("serial_s", ".3f"),
-                        ("grouped_s", ".3f"), ("speedup", ".2f"), ("limit_speedup", ".2f"), ("of_limit", ".2f"),
-                        ("lora_overhead", ".2f")])
+    print_table(sorted(cells, key=lambda c: MODES.index(c["mode"])),
+                [("mode", "s"), ("n_tenants", "d"), ("local_batch", "d"), ("serial_s", ".3f"),
+                 ("grouped_s", ".3f"), ("speedup", ".2f"), ("limit_speedup", ".2f"), ("of_limit", ".2f"),
+                 ("lora_overhead", ".2f")])
     worst = min(cells, key=lambda c: c["of_limit"])
     print(f"\nworst cell: {worst['mode']} {worst['n_tenants']}x{worst['local_batch']}, speedup = "
           f"{worst['of_limit']:.2f} x limit_speedup (target >= 0.90 in every cell)")
-    path = write_json("lora_groups_quick.json" if args.quick else "lora_groups.json",
-                      {"cells": cells, "config": {"backbone": backbone.backbone_id, "rank": 8, **env}}, args.out)
+    path = result.finish()
     print(f"wrote {path}")
     return 0
 

@@ -5,7 +5,9 @@ tenants hold), the Training and Inference Model Services' utilisation (busy / wa
 reduction 1 - multi / isolated. Evaluation is left out: this measures the training workload.
 
     python bench/multi_tenant.py [--quick]
-Writes bench/results/multi_tenant.json (quick runs: multi_tenant_quick.json).
+Writes bench/results/multi_tenant.json (quick runs: multi_tenant_quick.json), rewritten as each run
+(a mode in a setting) finishes: "partial", with the finished runs' figures under "runs", until the
+run ends (bench/common.py's ResultFile).
 Targets (the paper's): reduction >= 0.283, training utilisation >= 1.99x the isolated figure.
 """
 
@@ -21,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import PoolSampler, cpu_seconds, environment, print_table, split_cores, write_json  # noqa: E402
+from common import AllocatorPeaks, ResultFile, cpu_seconds, environment, print_table, split_cores  # noqa: E402
 from vlamux.experiments.multi_tenant import Budget, ensure_demos, job_specs, run  # noqa: E402
 from vlamux.model.device import add_device_arguments, dtype_name, parse_device_arguments  # noqa: E402
 
@@ -65,7 +67,10 @@ def main(argv=None) -> int:
     settings = ["shared", "split"] if args.placement == "both" else [args.placement]
     # interleaved: each mode in both settings before the next mode
     order = [(mode, setting) for mode in ("isolated", "multi") for setting in settings]
-    with tempfile.TemporaryDirectory() as tmp, PoolSampler(device) as pools:
+    result = ResultFile("multi_tenant_quick.json" if args.quick else "multi_tenant.json", args.out,
+                        [f"{setting} {mode}" for mode, setting in order], runs={},
+                        budget=dataclasses.asdict(budget), environment=environment(device, dtype))
+    with tempfile.TemporaryDirectory() as tmp, AllocatorPeaks(device) as pools:
         rows: dict = {s: {} for s in settings}
         for mode, setting in order:
             cpu0 = cpu_seconds()
@@ -74,6 +79,10 @@ def main(argv=None) -> int:
                                "prioritize_inference": not args.no_priority}, label=f"{setting}-{mode}")
             r["cpu_util"] = (cpu_seconds() - cpu0) / (r["elapsed_s"] * (os.cpu_count() or 1))
             rows[setting][mode] = r
+            result.payload["runs"].setdefault(setting, {})[mode] = {
+                k: r[k] for k in ("wall_s", "elapsed_s", "train_util", "infer_util", "cpu_util", "busy_s",
+                                  "device", "dtype") if k in r}
+            result.mark(f"{setting} {mode}")
             print(f"  {setting:6s} {mode:8s}: wall {r['wall_s']:6.1f}s  training util {r['train_util']:.1%}  "
                   f"inference util {r['infer_util']:.1%}  CPU busy {r['cpu_util']:.0%}", flush=True)
     sections = {s: {**summarize(rows[s], budget, device, dtype, pools, s), "prioritize_inference": not args.no_priority}
@@ -81,7 +90,7 @@ def main(argv=None) -> int:
     payload = dict(sections[settings[0]])
     if "split" in sections:
         payload["split"] = sections["split"]
-    path = write_json("multi_tenant_quick.json" if args.quick else "multi_tenant.json", payload, args.out)
+    path = result.finish(payload)
     print(f"wrote {path}")
     return 0
 

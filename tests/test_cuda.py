@@ -147,3 +147,19 @@ def test_rl_and_evaluation_run_with_the_services_on_cuda(runtime):
     assert runtime.publisher.flush(10)
     res = evaluate(runtime, "rl", ENV, [ENV.task], episodes=2, n_envs=2)
     assert res["tasks"][ENV.task]["episodes"] == 2
+
+
+def test_a_large_builtin_preset_is_built_on_its_gpu(monkeypatch):
+    """A preset at or over ON_DEVICE_PARAMS bound for a GPU is drawn there (here the threshold is
+    lowered so the tiny preset takes that path): the same weights for the same seed, a digest of its
+    recipe (no host copy of the weights), and the CPU's random stream untouched."""
+    import vlamux.model.backbones as backbones
+
+    monkeypatch.setattr(backbones, "ON_DEVICE_PARAMS", 0)
+    cpu_state = torch.random.get_rng_state()
+    a = build_backbone(BackboneSpec(preset="tiny", seed=3), device="cuda", dtype=torch.bfloat16)
+    b = build_backbone(BackboneSpec(preset="tiny", seed=3), device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(torch.random.get_rng_state(), cpu_state)
+    assert a.device.type == "cuda" and a.dtype == torch.bfloat16
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert a.content_sha256 == b.content_sha256 != build_backbone(BackboneSpec(preset="tiny", seed=3)).content_sha256

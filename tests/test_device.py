@@ -254,3 +254,18 @@ def test_bf16_grouped_equals_serial_within_the_stated_tolerance():
 @cuda
 def test_bf16_grouped_equals_serial_within_the_stated_tolerance_on_cuda():
     _bf16_grouped_vs_serial("cuda")
+
+
+def test_a_rounds_outputs_come_to_the_host_in_one_copy():
+    """`gather_to_host` (what Lane.to_host does on CUDA): tensors of every dtype a round returns, empty
+    and non-contiguous ones too, come back equal from one packed buffer (here unpinned, on the CPU)."""
+    from vlamux.model.device import gather_to_host
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, 4, generator=g), torch.tensor([True, False, True]), torch.arange(7),
+               torch.empty(0, 5), torch.randn(2, 3, generator=g).to(torch.bfloat16), torch.tensor(3.5),
+               torch.randn(4, 6, generator=g).t()]
+    out = gather_to_host(tensors, pinned=False)
+    assert len({o.untyped_storage().data_ptr() for o in out if o.numel()}) == 1  # one buffer holds them all
+    for a, b in zip(tensors, out):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)

@@ -1,15 +1,30 @@
 """The GPU check stays runnable while no GPU is at hand: its dry run executes every step on the CPU
 at a tiny size (bfloat16, so every result shows that the choice reached the models), writes every
-result file and a summary with the figures the accelerator issue asks for."""
+result file and a summary with the figures the accelerator issue asks for. Its plan fits the device
+lease (a machine start and two full runs in 15 minutes); a benchmark cut short keeps the cells it
+finished, marked partial; and steps that render are skipped, with the reason, where rendering cannot
+work."""
 
+import importlib.util
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _device_check():
+    spec = importlib.util.spec_from_file_location("device_check", ROOT / "scripts" / "device_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.mark.timeout(600)  # as its subprocess's own limit: ten benchmark steps, beside another test file
@@ -18,19 +33,31 @@ def test_device_check_dry_run(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/device_check.py", "--dry-run", "--out-dir", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    gl = next(i for i, line in enumerate(lines) if line.startswith("GL: "))
+    assert gl < next(i for i, line in enumerate(lines) if line.strip().startswith("tests "))  # before it renders
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["dry_run"] is True
+    assert summary["dry_run"] is True and summary["partial"] is False and summary["complete"] is True
+    assert summary["gl"]["works"] is True and summary["gl"]["backend"]
     assert all(r["status"] == "ok" for r in summary["steps"].values()), summary["steps"]
     assert summary["steps"]["tests"]["tail"][-1].split("/")[0].isdigit()  # the CUDA tests were collected
+    log = (out / "device_check.log").read_text().splitlines()
+    assert "tests/test_cuda.py::test_rl_and_evaluation_run_with_the_services_on_cuda" in log  # rendering works here
+    assert summary["missing_cells"] == {}
     merged = json.loads((out / "group_batching.json").read_text())
     assert set(merged) == {"base", "xl", "hf"} and all(merged.values())
-    assert {c["backbone"] for c in merged["hf"]} == {"qwen2_5_vl"}  # the random hf directory the check made
+    assert {c["backbone"] for c in merged["hf"]["cells"]} == {"qwen2_5_vl"}  # the random hf directory the check made
     results = {f"group_batching_{k}": v for k, v in merged.items()}
     for name in ("fused_heads", "lora_groups", "inference_serving", "async_rl", "multi_tenant"):
         results[name] = json.loads((out / f"{name}.json").read_text())
+    check = _device_check()
+    planned = {s.name: check.planned_cells(s, dry=True) for s in check.steps()}
     for name, result in results.items():
-        if isinstance(result, list):  # group_batching: its cells
-            placed = {c["dtype"] for c in result}.pop()
+        assert result["partial"] is False and result["planned"] == planned[name] == result["done"], name
+        assert summary["steps"][name]["cells"] == {"planned": len(planned[name]), "done": len(planned[name]),
+                                                   "missing": [], "partial": False}
+        if "cells" in result and name != "inference_serving":  # a grid's cells
+            placed = {c["dtype"] for c in result["cells"]}.pop()
         else:
             placed = (result.get("placement") or result.get("config"))["dtype"]
         assert placed == "bfloat16", name
@@ -40,12 +67,130 @@ def test_device_check_dry_run(tmp_path):
     assert summary["fused_heads"]["inference"]["speedup"] > 0
     lora = summary["lora_groups"]["train"]
     assert lora["n_tenants"] == 2 and lora["speedup"] > 0 and lora["limit_speedup"] > 0
+    assert results["lora_groups"]["config"]["dtype"] == "bfloat16"  # the dry run's LoRA deltas on a bf16 backbone
     assert summary["lora_groups_worst_of_limit"] > 0
     assert summary["async_rl"]["speedup"] > 0 and "reduction" in summary["multi_tenant"]
-    assert set(summary["memory_peaks_bytes"]["multi_tenant"]) >= {"model", "rollout"}
+    peaks = {"peak_allocated_bytes", "peak_reserved_bytes", "rollout_reserved_bytes", "model_reserved_bytes",
+             "separate"}  # bench/common.py's AllocatorPeaks, read from the allocator (zeros on a CPU)
+    for name in ("async_rl", "multi_tenant"):
+        assert set(summary["memory_peaks_bytes"][name]) == peaks, name
+        assert summary["memory_peaks_bytes"][name]["peak_allocated_bytes"] == 0  # no CUDA allocator here
     assert (out / "device_check.log").stat().st_size > 0
     assert len(list(out.iterdir())) <= 8  # what the device tool brings back from one call
-    assert not any(p.is_dir() for p in out.iterdir())  # the random model went to a temporary folder
+    assert not any(p.is_dir() or p.name.startswith(".") for p in out.iterdir())  # no temporaries, no model folder
+
+
+def test_the_plan_fits_the_lease_with_a_full_rerun():
+    """The GPU plan's arithmetic: the step limits (the GL probe's included) add up to no more than the
+    budget; the command (budget plus the stated overhead: installs, the check's start, the steps'
+    starts) ends within 6 minutes; a machine start, two full runs and their transfers fit 15 minutes."""
+    check = _device_check()
+    p = check.plan()
+    assert p["budget_s"] == check.BUDGET_S and p["dry_run"] is False
+    assert p["steps_s"] < p["sum_s"] <= p["budget_s"]  # the probe on top of the steps, all within the budget
+    assert p["sum_s"] == sum(r["limit_s"] for r in p["steps"]) + p["gl_probe_s"]
+    assert p["overhead_s"] and all(v > 0 for v in p["overhead_s"].values())  # stated, part by part
+    assert p["command_s"] == p["budget_s"] + sum(p["overhead_s"].values()) <= p["command_max_s"] <= 360
+    assert p["machine_start_s"] >= 120
+    assert p["lease_s"] == p["machine_start_s"] + 2 * p["command_s"] + 2 * p["transfer_s"] <= p["lease_max_s"] == 900
+    steps = {s.name: s for s in check.steps()}
+    assert [r["name"] for r in p["steps"]] == list(steps)
+    for r in p["steps"]:  # every benchmark's grid stated, and its planned cells named
+        assert r["cells"] and r["limit_s"] > 0
+        assert bool(r["planned"]) == steps[r["name"]].result, r["name"]
+    xl = next(r for r in p["steps"] if r["name"] == "group_batching_xl")
+    assert "train 8x1" in xl["planned"] and not any(k.endswith("16x16") for k in xl["planned"])
+    assert "--scheduler-overhead" not in steps["inference_serving"].gpu  # auto: the CPU-only part skipped on a GPU
+    assert {n for n, s in steps.items() if s.renders or s.render_tests} == {"tests", "async_rl", "multi_tenant"}
+
+
+def test_plan_is_printed_without_a_gpu():
+    proc = subprocess.run([sys.executable, "scripts/device_check.py", "--plan"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for name in ("gl_probe", "tests", "group_batching_base", "group_batching_xl", "group_batching_hf"):
+        assert f"  {name} " in out, name
+    assert "sum of limits" in out and "<= budget 315 s" in out
+    assert "N:b 8:1,1:1,8:4" in out  # the xl grid, stated
+    assert "the lease: machine start 120" in out and "<= 900 s" in out
+
+
+
+def test_gpu_md_states_the_plans_limits():
+    """docs/GPU.md's table of the check's steps gives each step's limit as the plan does."""
+    import re
+
+    check = _device_check()
+    text = (ROOT / "docs" / "GPU.md").read_text()
+    stated = {m[0]: float(m[1]) for m in re.findall(r"^\| `(\w+)` \| (\d+) s \|", text, re.M)}
+    assert stated == {s.name: s.timeout_s for s in check.steps()}
+    assert f"within a {check.BUDGET_S:.0f} s budget" in text and f"`timeout_s: {check.COMMAND_MAX_S}`" in text
+
+
+def test_a_benchmark_killed_mid_way_keeps_its_finished_cells(tmp_path):
+    """A group-batching run on the tiny preset, killed once its first cell is in the file: the file
+    holds that cell, marked partial; the check's summary lists the planned cells that are missing."""
+    out = tmp_path / "group_batching_base.json"
+    argv = [sys.executable, "bench/group_batching.py", "--preset", "tiny", "--grid", "1:1,2:1,4:1,8:1", "--repeats",
+            "1", "--min-seconds", "0", "--no-cap", "--device", "cpu", "--dtype", "bfloat16", "--out", str(out)]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if out.is_file() and json.loads(out.read_text())["done"]:  # atomic writes: never half a file
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]  # still running: killed mid-way
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    result = json.loads(out.read_text())
+    assert result["partial"] is True
+    assert result["planned"] == [f"{m} {n}x1" for n in (1, 2, 4, 8) for m in ("inference", "train")]
+    assert 1 <= len(result["done"]) < len(result["planned"])
+    assert [f"{c['mode']} {c['n_tenants']}x{c['local_batch']}" for c in result["cells"]] == result["done"]
+    assert all(c["speedup"] > 0 and c["dtype"] == "bfloat16" for c in result["cells"])
+
+    check = _device_check()
+    runs = {"group_batching_base": {"status": "timed out after 30s"}}
+    step = next(s for s in check.steps() if s.name == "group_batching_base")
+    summary = check.summarize(tmp_path, runs, True, 30.0, [step])
+    missing = [k for k in result["planned"] if k not in result["done"]]
+    assert summary["steps"]["group_batching_base"]["cells"] == {"planned": 8, "done": len(result["done"]),
+                                                                "missing": missing, "partial": True}
+    assert summary["missing_cells"] == {"group_batching_base": missing} and summary["complete"] is False
+
+
+def test_rendering_steps_are_skipped_with_the_reason_when_rendering_cannot_work(tmp_path):
+    """A GL backend MuJoCo cannot load: the probe says why before the first rendering step, the RL
+    test is deselected from the CUDA tests, async_rl and multi_tenant are skipped with the reason."""
+    env = {**os.environ, "MUJOCO_GL": "no-such-backend"}
+    env.pop("VLAMUX_GL_CHOICE", None)
+    proc = subprocess.run([sys.executable, "scripts/device_check.py", "--dry-run", "--only",
+                           "tests,async_rl,multi_tenant", "--out-dir", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]  # not ok: two steps did not run
+    lines = proc.stdout.splitlines()
+    gl = next(i for i, line in enumerate(lines) if line.startswith("GL: rendering cannot work here"))
+    assert "no-such-backend" in lines[gl]
+    assert gl < next(i for i, line in enumerate(lines) if line.strip().startswith("tests "))
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["gl"]["works"] is False and "no-such-backend" in summary["gl"]["why"]
+    steps = summary["steps"]
+    rl_test = "tests/test_cuda.py::test_rl_and_evaluation_run_with_the_services_on_cuda"
+    assert steps["tests"]["status"] == "ok" and steps["tests"]["deselected"]["tests"] == [rl_test]
+    collected = [line for line in (tmp_path / "device_check.log").read_text().splitlines()
+                 if line.startswith("tests/test_cuda.py::")]  # --collect-only -q: one test id a line
+    assert collected and rl_test not in collected
+    for name in ("async_rl", "multi_tenant"):
+        assert steps[name]["status"].startswith("skipped: rendering cannot work here ("), steps[name]
+        assert "no-such-backend" in steps[name]["status"]
+        assert steps[name]["cells"]["done"] == 0 and steps[name]["cells"]["missing"], steps[name]
+    assert set(summary["missing_cells"]) == {"async_rl", "multi_tenant"}
 
 
 def test_device_check_refuses_to_run_for_real_without_a_gpu(tmp_path):

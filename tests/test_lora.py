@@ -345,3 +345,56 @@ def test_bf16_backbone_with_fp32_adapters_groups_within_the_bf16_bound(layout):
             b = grouped.slot(t).adapter.B
             assert all(v.dtype == torch.float32 for v in b.values())
             assert max(v.abs().max().item() for v in b.values()) > 0, t
+
+
+@pytest.mark.parametrize("layout", ["segmented", "uniform"])
+def test_bf16_deltas_run_in_bf16_on_fp32_masters(layout):
+    """On bf16 activations a delta runs in bf16: nothing it keeps for its backward is an fp32 copy of
+    the activations (only the adapters' own fp32 weights are fp32), its output is bf16, and the
+    gradients reach the fp32 A and B in fp32, equal to an fp32 computation within the bf16 bound."""
+    from vlamux.model import adapters as lora
+    from vlamux.model.adapters import LoRAAdapter, LoRASpec, Target
+
+    torch.manual_seed(0)
+    target = {"blk.0.q": Target("blk.0.q", 64, 48, 0)}
+    ads = [LoRAAdapter(LoRASpec(rank=4, alpha=8.0), target) for _ in range(3)]
+    for ad in ads:
+        with torch.no_grad():
+            ad.B["blk__0__q"].normal_(0, 0.1)
+    sizes = [5, 5, 5] if layout == "uniform" else [5, 3, 7]
+    use = ads if layout == "uniform" else [ads[0], None, ads[2]]
+    x32 = torch.randn(sum(sizes), 6, 64)
+    w = torch.randn(48, 64) * 0.1
+
+    def run(dtype):
+        x = x32.to(dtype).requires_grad_(True)
+        out = x @ w.to(dtype).t()
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = _apply(lora, x, out, sizes, use)
+        (y.float() ** 2).sum().backward()
+        return y, saved, [p.grad.clone() for ad in use if ad is not None for p in (ad.A["blk__0__q"], ad.B["blk__0__q"])]
+
+    def _apply(lora, x, out, sizes, use):
+        with lora.active(list(zip(sizes, use))):
+            return lora._hook("blk.0.q")(None, (x,), out)
+
+    for ad in ads:
+        ad.zero_grad()
+    y16, saved, g16 = run(torch.bfloat16)
+    masters = {p.data_ptr() for ad in ads for p in ad.parameters()}
+    assert y16.dtype == torch.bfloat16
+    assert all(t.dtype == torch.bfloat16 or t.data_ptr() in masters for t in saved), \
+        {(t.dtype, tuple(t.shape)) for t in saved}
+    assert all(g.dtype == torch.float32 for g in g16)
+    for ad in ads:
+        ad.zero_grad()
+    y32, _, g32 = run(torch.float32)
+    assert (y16.float() - y32).abs().max() <= 0.05 * y32.abs().max()
+    for a, b in zip(g16, g32):
+        assert (a - b).abs().max() <= 0.05 * b.abs().max(), (a - b).abs().max()

@@ -126,9 +126,10 @@ class LoRAAdapter(nn.Module):
         return name in self.targets
 
     def delta(self, name: str, x: Tensor) -> Tensor:
+        """``scale * B(A x)`` in x's dtype (the weights cast to it; their gradients reach the fp32 masters)."""
         k = _key(name)
-        a, b = self.A[k], self.B[k]
-        return (x.to(a.dtype) @ a.t()) @ b.t() * self.spec.scale
+        a, b = self.A[k].to(x.dtype), self.B[k].to(x.dtype)
+        return (x @ a.t()) @ b.t() * self.spec.scale
 
     # ---- PEFT's layout ------------------------------------------------------------------------------
     def peft_state_dict(self, prefix: str = "") -> dict[str, Tensor]:
@@ -209,22 +210,21 @@ def _hook(name: str):
 
 
 def _uniform_group(name: str, x: Tensor, output: Tensor, adapters: list[LoRAAdapter]) -> Tensor:
-    """Every segment adapted, all of one length and one rank: the input and the output seen as [N, rows, features] are views, so the deltas take two batched
-    matmuls (Punica's SGMV case), the second one adding onto the base output, with no copy of the
-    activations. Each tenant's rows meet only its own A and B: a NaN stays in its batch entry."""
-    k = _key(name)
+    """Every segment adapted, all of one length and one rank: the input and the output seen as [N, rows,
+    features] are views, so the deltas take two batched matmuls (Punica's SGMV case), the second one
+    adding onto the base output, with no copy of the activations. They run in the activations' dtype
+    (bf16 on a GPU) on the tenants' fp32 weights cast to it, so the weights' gradients come back in fp32.
+    Each tenant's rows meet only its own A and B: a NaN stays in its batch entry."""
+    k, dt = _key(name), output.dtype
     scales = {ad.spec.scale for ad in adapters}
-    a = torch.stack([ad.A[k] for ad in adapters])  # [N, r, in]
+    a = torch.stack([ad.A[k] for ad in adapters]).to(dt)  # [N, r, in]
     if len(scales) == 1:
-        b, scale = torch.stack([ad.B[k] for ad in adapters]), scales.pop()  # [N, out, r]
+        b, scale = torch.stack([ad.B[k] for ad in adapters]).to(dt), scales.pop()  # [N, out, r]
     else:  # scaled on the device: no host tensor of scales to copy over per layer
-        b, scale = torch.stack([ad.B[k] * ad.spec.scale for ad in adapters]), 1.0
+        b, scale = torch.stack([ad.B[k] * ad.spec.scale for ad in adapters]).to(dt), 1.0
     n = len(adapters)
-    h = torch.bmm(x.reshape(n, -1, x.shape[-1]).to(a.dtype), a.transpose(1, 2))
-    base = output.reshape(n, -1, output.shape[-1])
-    if base.dtype == b.dtype:
-        return torch.baddbmm(base, h, b.transpose(1, 2), alpha=scale).view(output.shape)
-    return (base + (torch.bmm(h, b.transpose(1, 2)) * scale).to(base.dtype)).view(output.shape)
+    h = torch.bmm(x.reshape(n, -1, x.shape[-1]).to(dt), a.transpose(1, 2))
+    return torch.baddbmm(output.reshape(n, -1, output.shape[-1]), h, b.transpose(1, 2), alpha=scale).view(output.shape)
 
 
 def _segmented(name: str, x: Tensor, output: Tensor, sizes: list[int], adapters: list) -> Tensor:
@@ -244,23 +244,23 @@ def _segmented(name: str, x: Tensor, output: Tensor, sizes: list[int], adapters:
 
 class _SegmentedLoRA(torch.autograd.Function):
     """`output` (the Linear's own result, which its backward does not keep) plus each span's delta, in
-    place, the gradient to `output` passing through unchanged: slicing a tensor inside autograd would make each slice's backward fill a group-size zero
-    tensor per segment and layer, and a concatenation would copy every activation. Forward and
-    backward touch each span's rows only, with its own A and B, so a NaN adapter stays in its rows."""
+    place, the gradient to `output` passing through unchanged: slicing a tensor inside autograd would
+    make each slice's backward fill a group-size zero tensor per segment and layer, and a concatenation
+    would copy every activation. Forward and backward touch each span's rows only, with its own A and
+    B, so a NaN adapter stays in its rows. The deltas run in the output's dtype (bf16 on a GPU: no fp32
+    copy of the activations) on the fp32 weights cast to it; the weights' gradients are returned in
+    fp32, the masters' dtype."""
 
     @staticmethod
     def forward(ctx, x, output, spans, *weights):
         # in place through a detached alias: `output` may be a view (a Linear on [B, S, in] views its
         # matmul's result), and a view marked dirty would route its gradient through its base
+        dt = output.dtype
         x2, o2 = x.reshape(-1, x.shape[-1]), output.detach().view(-1, output.shape[-1])
         hs = []
         for (start, n, scale), a, b in zip(spans, weights[0::2], weights[1::2]):
-            h = x2[start:start + n].to(a.dtype) @ a.t()
-            rows = o2[start:start + n]
-            if rows.dtype == b.dtype:
-                rows.addmm_(h, b.t(), alpha=scale)
-            else:
-                rows.add_((h @ b.t() * scale).to(rows.dtype))
+            h = x2[start:start + n].to(dt) @ a.to(dt).t()
+            o2[start:start + n].addmm_(h, b.to(dt).t(), alpha=scale)
             hs.append(h)
         ctx.spans = spans
         ctx.save_for_backward(x, *hs, *weights)
@@ -270,18 +270,35 @@ class _SegmentedLoRA(torch.autograd.Function):
     def backward(ctx, grad):
         x, *rest = ctx.saved_tensors
         hs, weights = rest[:len(ctx.spans)], rest[len(ctx.spans):]
+        dt = hs[0].dtype if hs else grad.dtype
         x2, g2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        gx = torch.zeros_like(x2) if ctx.needs_input_grad[0] else None
+        gx = _rows_zero_outside(x2, ctx.spans) if ctx.needs_input_grad[0] else None
         grads = []
         for i, ((start, n, scale), h) in enumerate(zip(ctx.spans, hs)):
             a, b = weights[2 * i], weights[2 * i + 1]
-            g = g2[start:start + n].to(b.dtype)
-            u = g @ b  # [n, r]
+            g = g2[start:start + n].to(dt)
+            u = g @ b.to(dt)  # [n, r]
             if gx is not None:
-                gx[start:start + n] = (u @ a * scale).to(gx.dtype)
-            grads += [u.t() @ x2[start:start + n].to(a.dtype) * scale if ctx.needs_input_grad[3 + 2 * i] else None,
-                      g.t() @ h * scale if ctx.needs_input_grad[4 + 2 * i] else None]
+                gx[start:start + n] = (u @ a.to(dt)).mul_(scale).to(gx.dtype)
+            grads += [(u.t() @ x2[start:start + n].to(dt)).to(a.dtype).mul_(scale)
+                      if ctx.needs_input_grad[3 + 2 * i] else None,
+                      (g.t() @ h).to(b.dtype).mul_(scale) if ctx.needs_input_grad[4 + 2 * i] else None]
         return (gx.view(x.shape) if gx is not None else None), grad, None, *grads
+
+
+def _rows_zero_outside(x2: Tensor, spans: list) -> Tensor:
+    """An uninitialised tensor like `x2` whose rows outside every span are zero: the spans' rows are
+    written in full by the caller, so only the gaps between them are cleared (none, where the adapted
+    segments cover the group)."""
+    out = torch.empty_like(x2)
+    at = 0
+    for start, n, _ in sorted(spans):
+        if start > at:
+            out[at:start].zero_()
+        at = max(at, start + n)
+    if at < out.shape[0]:
+        out[at:].zero_()
+    return out
 
 
 # ---- PEFT directories -------------------------------------------------------------------------------

@@ -126,6 +126,28 @@ def map_tensors(tree, fn):
     return tree
 
 
+def gather_to_host(tensors: list[Tensor], pinned: bool = True) -> list[Tensor]:
+    """Host copies of `tensors` (all on one device) made by one copy: their bytes packed into one device
+    buffer (16-byte aligned, so any dtype can be viewed at its offset), copied asynchronously into one
+    host buffer (pinned: the copy does not wait), each returned as a view of its bytes there. The caller
+    waits for the current stream before reading them."""
+    if not tensors:
+        return []
+    spans, total = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        spans.append((total, n))
+        total += -(-n // 16) * 16
+    packed = torch.empty(max(total, 16), dtype=torch.uint8, device=tensors[0].device)
+    for t, (at, n) in zip(tensors, spans):
+        if n:
+            packed[at:at + n].copy_(t.detach().contiguous().view(-1).view(torch.uint8))
+    host = torch.empty(packed.shape, dtype=torch.uint8, pin_memory=pinned)
+    host.copy_(packed, non_blocking=pinned)
+    return [host[at:at + n].view(t.dtype).view(t.shape) if n else torch.empty(t.shape, dtype=t.dtype)
+            for t, (at, n) in zip(tensors, spans)]
+
+
 def to_cpu(tree):
     """Every tensor of a nested dict/list/tuple on the CPU, detached (a plain, waiting copy)."""
     return map_tensors(tree, lambda t: t.detach().cpu())
@@ -226,21 +248,16 @@ class Lane:
         return to_device(t, self.device, dtype)
 
     def to_host(self, tree):
-        """Every tensor of a nested dict/list/tuple on the host, detached. On CUDA: asynchronous copies
-        into pinned memory, then one wait on this lane's stream (not on the device)."""
+        """Every tensor of a nested dict/list/tuple on the host, detached. On CUDA: one asynchronous copy
+        of all the device tensors' bytes into one pinned buffer (`gather_to_host`), one wait on this
+        lane's stream (not on the device)."""
         if not self.cuda:
             return map_tensors(tree, lambda t: t.detach() if t.device.type == "cpu" else t.detach().cpu())
-
-        def copy(t: Tensor) -> Tensor:
-            if t.device.type == "cpu":
-                return t.detach()
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            host.copy_(t.detach(), non_blocking=True)
-            return host
-
-        out = map_tensors(tree, copy)
+        on_device: list[Tensor] = []
+        map_tensors(tree, lambda t: on_device.append(t) if t.device.type != "cpu" else None)
+        views = iter(gather_to_host(on_device, pinned=True))
         self.wait()
-        return out
+        return map_tensors(tree, lambda t: t.detach() if t.device.type == "cpu" else next(views))
 
     def wait(self) -> None:
         """Block the calling thread until this lane's queued work is done (an event on its stream)."""

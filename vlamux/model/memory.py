@@ -121,3 +121,31 @@ def _pool_bytes(pool) -> tuple[int, int]:
     reserved = sum(int(s.get("total_size", 0)) for s in segments)
     allocated = sum(int(s.get("allocated_size", 0)) for s in segments)
     return reserved, allocated
+
+
+def reset_peaks(device: torch.device | str) -> None:
+    """Start a new peak window on `device`: the allocator's own peak counters go back to what is held
+    now (a benchmark step calls it at its start). Nothing on a CPU."""
+    device = _key(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peaks(device: torch.device | str) -> dict:
+    """What the allocator says of `device` since `reset_peaks`: the peak of allocated and of reserved
+    bytes over every pool together (exact: the allocator's counters, not samples), and how the reserved
+    bytes divide now between the rollout pools (their segments; a pool keeps its segments until it is
+    emptied, so this is its high-water mark) and the model's share (the rest). Zeros on a CPU."""
+    device = _key(device)
+    out = {"peak_allocated_bytes": 0, "peak_reserved_bytes": 0, "rollout_reserved_bytes": 0,
+           "model_reserved_bytes": 0, "separate": bool(_ON_DEVICE.get(str(device)))}
+    if device.type != "cuda":
+        return out
+    with _LOCK:
+        pools = list(_ON_DEVICE.get(str(device), ()))
+    rollout = sum(p.bytes()[0] for p in pools)
+    out.update(peak_allocated_bytes=torch.cuda.max_memory_allocated(device),
+               peak_reserved_bytes=torch.cuda.max_memory_reserved(device), rollout_reserved_bytes=rollout,
+               model_reserved_bytes=max(0, torch.cuda.memory_reserved(device) - rollout))
+    return out
+

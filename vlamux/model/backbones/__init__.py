@@ -14,6 +14,7 @@ to a factory in `_FACTORIES`:
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ from safetensors.torch import load_file, safe_open
 from vlamux.model.backbones.base import Backbone
 from vlamux.model.backbones.builtin import PRESETS, BuiltinBackbone, BuiltinConfig, builtin_config_dict
 from vlamux.utils.io import atomic_save_safetensors, tensors_sha256
-from vlamux.utils.seeding import seeded
+from vlamux.utils.seeding import seeded, seeded_on
 
 __all__ = ["Backbone", "BackboneSpec", "BuiltinBackbone", "BuiltinConfig", "PRESETS", "SHIPPED", "build_backbone",
            "save_backbone", "load_backbone", "spec_from_arg"]
@@ -55,13 +56,34 @@ class BackboneSpec:
         return f"{self.kind}-{self.preset}-seed{self.seed}"
 
 
-def _build_builtin(spec: BackboneSpec) -> Backbone:
+# A built-in preset of this many block parameters or more, bound for a GPU, is built there (4 GB of
+# fp32 weights for the xl preset: not made on the host, moved, and hashed through the host)
+ON_DEVICE_PARAMS = 300_000_000
+
+
+def _build_builtin(spec: BackboneSpec, device: torch.device) -> tuple[Backbone, str]:
+    """The backbone and its content digest: the sha256 of its weights as built (fp32, on the CPU: the
+    same on every machine), or, for a random preset built on its GPU, of its recipe (preset, seed, the
+    device type and torch that drew it), which names those weights as exactly without a host copy."""
     if spec.weights:
-        return load_backbone(SHIPPED.get(spec.weights, spec.weights))
+        b = load_backbone(SHIPPED.get(spec.weights, spec.weights))
+        return b, _weights_sha256(b)
     if spec.preset not in PRESETS:
         raise ValueError(f"unknown builtin preset {spec.preset!r}; choose one of {sorted(PRESETS)}")
+    config = PRESETS[spec.preset]
+    if device.type == "cuda" and 12 * config.depth * config.dim ** 2 >= ON_DEVICE_PARAMS:
+        with seeded_on(spec.seed, device):  # never disturbs the caller's random streams either
+            b = BuiltinBackbone(config, spec.backbone_id)
+        recipe = json.dumps({"kind": "builtin", "config": builtin_config_dict(config), "seed": spec.seed,
+                             "drawn_on": "cuda", "torch": torch.__version__}, sort_keys=True)
+        return b, hashlib.sha256(recipe.encode()).hexdigest()
     with seeded(spec.seed):  # never disturbs the caller's random streams
-        return BuiltinBackbone(PRESETS[spec.preset], spec.backbone_id)
+        b = BuiltinBackbone(config, spec.backbone_id)
+    return b, _weights_sha256(b)
+
+
+def _weights_sha256(b: Backbone) -> str:
+    return tensors_sha256({k: v.detach().cpu() for k, v in b.state_dict().items()})
 
 
 def _build_hf(spec: BackboneSpec, dtype: torch.dtype) -> Backbone:
@@ -90,9 +112,7 @@ def build_backbone(spec: BackboneSpec | None = None, device: str | torch.device 
     """Build, freeze and place a backbone."""
     spec = spec or BackboneSpec()
     if spec.kind == "builtin":
-        b = _build_builtin(spec)
-        # the weights as built (fp32, before any cast or move): the same on every machine and dtype
-        digest = tensors_sha256({k: v.detach().cpu() for k, v in b.state_dict().items()})
+        b, digest = _build_builtin(spec, torch.device(device))  # digested as built: fp32, before any cast
         b = b.to(device=device, dtype=dtype).freeze()
     elif spec.kind == "hf":  # loaded in its dtype (a bf16 checkpoint never passes through fp32)
         b = _build_hf(spec, dtype).to(device=device).freeze()

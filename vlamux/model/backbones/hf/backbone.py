@@ -194,7 +194,7 @@ class HFBackbone(Backbone):
                     types[i, :n] = t
                 else:
                     types[i, own - n:] = t
-            features.append(VLAFeature(hidden_of[g][:, at], mask, types.to(hidden.device), self.meta,
+            features.append(VLAFeature(hidden_of[g][:, at], mask, to_device(types, hidden.device), self.meta,
                                        tuple(k[g][:, at] for k in kept_of)))
         return features
 
