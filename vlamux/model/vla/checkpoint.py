@@ -1,0 +1,127 @@
+"""A LeRobot policy checkpoint on disk, as lerobot's `save_pretrained` writes it: `config.json`,
+`model.safetensors`, and the pre/post-processor files with their statistics. Families: SmolVLA
+(`type: smolvla`), π0 (`pi0`) and π0.5 (`pi05`).
+
+The state dict splits in two: the VLM (the shared backbone: its vision tower, connector and language
+layers) and everything else (the tenant's module: the action expert and its projections).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import Tensor
+
+from vlamux.errors import InvalidInputError
+from vlamux.utils.io import tensors_sha256
+
+# the state-dict prefix of each family's VLM; every other tensor is the tenant's module
+VLM_PREFIX = {"smolvla": "model.vlm_with_expert.vlm.", "pi0": "model.paligemma_with_expert.paligemma.",
+              "pi05": "model.paligemma_with_expert.paligemma."}
+FAMILIES = tuple(VLM_PREFIX)
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+PRE, POST = "policy_preprocessor.json", "policy_postprocessor.json"
+
+
+@dataclass
+class LeRobotCheckpoint:
+    path: Path
+    family: str
+    config: dict
+    tensors: dict[str, Tensor]  # the file's, by their names there
+    metadata: dict  # the file's header metadata (π0's tied-embedding alias)
+    pre: dict  # policy_preprocessor.json
+    post: dict
+    stats: dict[str, Tensor] = field(default_factory=dict)  # "<feature>.<stat>", the normalizer's
+
+    @staticmethod
+    def read(path) -> LeRobotCheckpoint:
+        """Read a checkpoint directory; errors name the file and what is wrong with it."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_dir():
+            raise InvalidInputError(f"{path.name}: not a LeRobot checkpoint directory")
+        for name in (CONFIG, WEIGHTS, PRE, POST):
+            if not (path / name).is_file():
+                raise InvalidInputError(f"{path.name}/{name}: missing (a LeRobot checkpoint holds {CONFIG}, "
+                                        f"{WEIGHTS}, {PRE} and {POST})")
+        config = _json(path / CONFIG)
+        family = config.get("type")
+        if family not in FAMILIES:
+            raise InvalidInputError(f"{path.name}/{CONFIG}: type {family!r} is not one vlamux imports "
+                                    f"({', '.join(FAMILIES)})")
+        try:
+            with safe_open(str(path / WEIGHTS), framework="pt") as f:
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+                metadata = f.metadata() or {}
+        except Exception as e:  # noqa: BLE001 - a damaged header raises several kinds
+            raise InvalidInputError(f"{path.name}/{WEIGHTS}: not a readable safetensors file ({e})") from None
+        ckpt = LeRobotCheckpoint(path, family, config, tensors, metadata, _json(path / PRE), _json(path / POST))
+        ckpt.stats = ckpt._normalizer_stats()
+        if not ckpt.vlm_tensors():
+            raise InvalidInputError(f"{path.name}/{WEIGHTS}: no tensor under {VLM_PREFIX[family]!r}: not a "
+                                    f"{family} checkpoint")
+        return ckpt
+
+    # ---- the split ----------------------------------------------------------------------------------
+    def vlm_tensors(self) -> dict[str, Tensor]:
+        """The VLM's tensors, named without the family's VLM prefix."""
+        p = VLM_PREFIX[self.family]
+        return {k[len(p):]: v for k, v in self.tensors.items() if k.startswith(p)}
+
+    def module_tensors(self) -> dict[str, Tensor]:
+        """The tenant's module: every tensor that is not the VLM's, named as in the file without `model.`."""
+        p = VLM_PREFIX[self.family]
+        return {k.removeprefix("model."): v for k, v in self.tensors.items() if not k.startswith(p)}
+
+    def vlm_sha256(self) -> str:
+        """The content hash of the VLM's tensors (names without the prefix, dtypes, shapes, bytes)."""
+        return tensors_sha256(self.vlm_tensors())
+
+    # ---- what the processors say --------------------------------------------------------------------
+    def vlm_hub_id(self) -> str:
+        """What the checkpoint names its VLM (SmolVLA) or tokenizer (π0, π0.5) by: a hub id."""
+        if self.family == "smolvla":
+            return str(self.config.get("vlm_model_name"))
+        step = self.pre_step("tokenizer_processor")
+        return str(step["config"].get("tokenizer_name")) if step else "google/paligemma-3b-pt-224"
+
+    def pre_step(self, name: str) -> dict | None:
+        return next((s for s in self.pre.get("steps", []) if s.get("registry_name") == name), None)
+
+    def cameras(self) -> list[str]:
+        """The camera features' names after `observation.images.`, in the config's order."""
+        feats = self.config.get("input_features", {})
+        return [k.removeprefix("observation.images.") for k, v in feats.items() if v.get("type") == "VISUAL"]
+
+    def state_dim(self) -> int:
+        f = self.config.get("input_features", {}).get("observation.state")
+        return int(f["shape"][0]) if f else 0
+
+    def action_dim(self) -> int:
+        return int(self.config["output_features"]["action"]["shape"][0])
+
+    def norm_modes(self) -> dict[str, str]:
+        """STATE / ACTION -> MEAN_STD | QUANTILES | IDENTITY."""
+        return dict(self.config.get("normalization_mapping", {}))
+
+    def _normalizer_stats(self) -> dict[str, Tensor]:
+        from safetensors.torch import load_file
+
+        step = next((s for s in self.pre.get("steps", []) if s.get("state_file")), None)
+        if step is None:
+            raise InvalidInputError(f"{self.path.name}/{PRE}: no normalizer step with a state_file")
+        f = self.path / step["state_file"]
+        if not f.is_file():
+            raise InvalidInputError(f"{self.path.name}/{step['state_file']}: missing (the normalizer's statistics)")
+        return load_file(str(f))
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise InvalidInputError(f"{path.parent.name}/{path.name}: not readable JSON ({e})") from None
