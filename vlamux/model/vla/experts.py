@@ -41,22 +41,17 @@ class Expert(nn.Module):
 
 
 class SmolVLAExpert(Expert):
-    def __init__(self, tensors: dict[str, Tensor], heads: int, kv_heads: int, head_dim: int, every_n: int = 2,
-                 eps: float = 1e-5):
+    def __init__(self, d: dict):
         super().__init__()
-        p = "vlm_with_expert.lm_expert.layers."
-        n = _n_layers(tensors, p)
-        width = tensors["action_in_proj.weight"].shape[0]
-        mlp = tensors[p + "0.mlp.gate_proj.weight"].shape[0]
-        self.cross = [i % every_n != 0 for i in range(n)]  # odd layers read the VLM's keys and values re-projected
-        vlm_kv = kv_heads * head_dim
-        layers = nn.ModuleList(DecoderLayer(width, heads, kv_heads, head_dim, mlp, gemma=False, eps=eps,
-                                            kv_in=vlm_kv if self.cross[i] else None) for i in range(n))
-        self.vlm_with_expert = Box(lm_expert=Box(layers=layers, norm=RMSNorm(width, eps, gemma=False)))
-        a_dim, s_dim = tensors["action_in_proj.weight"].shape[1], tensors["state_proj.weight"].shape[1]
-        self.state_proj = nn.Linear(s_dim, tensors["state_proj.weight"].shape[0])
-        self.action_in_proj = nn.Linear(a_dim, width)
-        self.action_out_proj = nn.Linear(width, a_dim)
+        n, width = d["layers"], d["width"]
+        self.cross = [i % d["every_n"] != 0 for i in range(n)]  # odd layers read the VLM's keys and values re-projected
+        vlm_kv = d["kv_heads"] * d["head_dim"]
+        layers = nn.ModuleList(DecoderLayer(width, d["heads"], d["kv_heads"], d["head_dim"], d["mlp"], gemma=False,
+                                            eps=d["eps"], kv_in=vlm_kv if self.cross[i] else None) for i in range(n))
+        self.vlm_with_expert = Box(lm_expert=Box(layers=layers, norm=RMSNorm(width, d["eps"], gemma=False)))
+        self.state_proj = nn.Linear(d["state_in"], d["prefix_dim"])
+        self.action_in_proj = nn.Linear(d["action_in"], width)
+        self.action_out_proj = nn.Linear(width, d["action_in"])
         self.action_time_mlp_in = nn.Linear(2 * width, width)
         self.action_time_mlp_out = nn.Linear(width, width)
         self.width = width
@@ -96,27 +91,22 @@ class SmolVLAExpert(Expert):
 class Pi0Expert(Expert):
     """π0's (and, `adaptive`, π0.5's) Gemma expert."""
 
-    def __init__(self, tensors: dict[str, Tensor], head_dim: int, kv_heads: int, adaptive: bool):
+    def __init__(self, d: dict):
         super().__init__()
-        p = "paligemma_with_expert.gemma_expert.model.layers."
-        n = _n_layers(tensors, p)
-        width = tensors["action_in_proj.weight"].shape[0]
-        mlp = tensors[p + "0.mlp.gate_proj.weight"].shape[0]
-        layers = nn.ModuleList(DecoderLayer(width, PI0_HEADS, kv_heads, head_dim, mlp, gemma=True, eps=1e-6,
-                                            adaptive=adaptive) for _ in range(n))
+        width, adaptive = d["width"], d["family"] == "pi05"
+        layers = nn.ModuleList(DecoderLayer(width, d["heads"], d["kv_heads"], d["head_dim"], d["mlp"], gemma=True,
+                                            eps=1e-6, adaptive=adaptive) for _ in range(d["layers"]))
         norm = AdaRMSNorm(width) if adaptive else RMSNorm(width, 1e-6, gemma=True)
-        vocab = tensors["paligemma_with_expert.gemma_expert.lm_head.weight"].shape[0]
         self.paligemma_with_expert = Box(gemma_expert=Box(model=Box(layers=layers, norm=norm),
-                                                          lm_head=nn.Linear(width, vocab, bias=False)))
-        a_dim = tensors["action_in_proj.weight"].shape[1]
-        self.action_in_proj = nn.Linear(a_dim, width)
-        self.action_out_proj = nn.Linear(width, a_dim)
+                                                          lm_head=nn.Linear(width, d["vocab"], bias=False)))
+        self.action_in_proj = nn.Linear(d["action_in"], width)
+        self.action_out_proj = nn.Linear(width, d["action_in"])
         self.adaptive, self.width = adaptive, width
         if adaptive:  # π0.5: the time conditions the norms
             self.time_mlp_in = nn.Linear(width, width)
             self.time_mlp_out = nn.Linear(width, width)
         else:  # π0: the time joins each action token; the state is the suffix's first token
-            self.state_proj = nn.Linear(tensors["state_proj.weight"].shape[1], width)
+            self.state_proj = nn.Linear(d["state_in"], width)
             self.action_time_mlp_in = nn.Linear(2 * width, width)
             self.action_time_mlp_out = nn.Linear(width, width)
             self.uses_state = True
@@ -158,13 +148,32 @@ class Pi0Expert(Expert):
         return norm(x, cond) if cond is not None else (norm(x), None)
 
 
-def build_expert(family: str, tensors: dict[str, Tensor], heads: int, kv_heads: int, head_dim: int,
-                 config: dict) -> Expert:
-    """The family's expert, its weights the checkpoint's module tensors (names without `model.`)."""
+def expert_dims(family: str, tensors: dict[str, Tensor], config: dict, heads: int, kv_heads: int,
+                head_dim: int) -> dict:
+    """Everything that shapes a family's expert, read from its tensors (names without `model.`), its
+    checkpoint's config and its VLM's attention layout: what a head spec carries (`options`), so the
+    expert can be rebuilt without the checkpoint (a replica applying a policy version)."""
+    common = {"family": family, "width": tensors["action_in_proj.weight"].shape[0],
+              "action_in": tensors["action_in_proj.weight"].shape[1], "head_dim": head_dim,
+              "chunk": int(config.get("chunk_size", 50)),
+              "steps": int(config.get("num_steps", config.get("num_inference_steps", 10)))}
     if family == "smolvla":
-        expert = SmolVLAExpert(tensors, heads, kv_heads, head_dim, int(config.get("self_attn_every_n_layers", 2)))
-    else:
-        expert = Pi0Expert(tensors, head_dim, kv_heads, adaptive=family == "pi05")
-    expert.chunk = int(config.get("chunk_size", 50))
-    expert.load_state_dict(tensors, strict=True)
+        p = "vlm_with_expert.lm_expert.layers."
+        return {**common, "layers": _n_layers(tensors, p), "mlp": tensors[p + "0.mlp.gate_proj.weight"].shape[0],
+                "heads": heads, "kv_heads": kv_heads, "every_n": int(config.get("self_attn_every_n_layers", 2)),
+                "state_in": tensors["state_proj.weight"].shape[1], "prefix_dim": tensors["state_proj.weight"].shape[0],
+                "eps": 1e-5}
+    p = "paligemma_with_expert.gemma_expert.model.layers."
+    out = {**common, "layers": _n_layers(tensors, p), "mlp": tensors[p + "0.mlp.gate_proj.weight"].shape[0],
+           "heads": PI0_HEADS, "kv_heads": tensors[p + "0.self_attn.k_proj.weight"].shape[0] // head_dim,
+           "vocab": tensors["paligemma_with_expert.gemma_expert.lm_head.weight"].shape[0]}
+    if family == "pi0":
+        out["state_in"] = tensors["state_proj.weight"].shape[1]
+    return out
+
+
+def build_expert(dims: dict) -> Expert:
+    """A family's expert of these dims (`expert_dims`), its weights not yet loaded."""
+    expert = SmolVLAExpert(dims) if dims["family"] == "smolvla" else Pi0Expert(dims)
+    expert.chunk = int(dims["chunk"])
     return expert

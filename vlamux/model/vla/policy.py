@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from vlamux.model.vla.checkpoint import LeRobotCheckpoint
-from vlamux.model.vla.experts import Expert, build_expert
+from vlamux.model.vla.experts import Expert, build_expert, expert_dims
 from vlamux.model.vla.flow import loss, sample
 from vlamux.model.vla.processor import Processor
 from vlamux.model.vla.vlm import VLM, PrefixKV, build_vlm, prefix_kv
@@ -22,11 +22,13 @@ class VLAPolicy:
         self.family = self.ckpt.family
         vlm_dir = Path(vlm_dir) if vlm_dir is not None else None
         self.vlm: VLM = build_vlm(self.family, self.ckpt.vlm_tensors(), vlm_dir)
-        self.expert: Expert = build_expert(self.family, self.ckpt.module_tensors(), self.vlm.heads, self.vlm.kv_heads,
-                                           self.vlm.head_dim, self.ckpt.config).eval()
+        module = self.ckpt.module_tensors()
+        self.dims = expert_dims(self.family, module, self.ckpt.config, self.vlm.heads, self.vlm.kv_heads,
+                                self.vlm.head_dim)
+        self.expert: Expert = build_expert(self.dims).eval()
+        self.expert.load_state_dict(module, strict=True)
         self.processor = Processor(self.ckpt, vlm_dir)
-        cfg = self.ckpt.config
-        self.steps = int(cfg.get("num_steps", cfg.get("num_inference_steps", 10)))
+        self.steps = self.dims["steps"]
 
     def prefix(self, images: dict[str, Tensor], tasks: list[str], state: Tensor) -> tuple[PrefixKV, Tensor]:
         """The prefix's per-layer keys and values for a batch, and its normalised, padded state."""
