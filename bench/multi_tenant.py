@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from vlamux.model.memory import high_water  # noqa: E402
 from common import AllocatorPeaks, ResultFile, cpu_seconds, environment, print_table, split_cores  # noqa: E402
 from vlamux.experiments.multi_tenant import Budget, ensure_demos, job_specs, run  # noqa: E402
 from vlamux.model.device import add_device_arguments, dtype_name, parse_device_arguments  # noqa: E402
@@ -81,7 +82,7 @@ def main(argv=None) -> int:
             rows[setting][mode] = r
             result.payload["runs"].setdefault(setting, {})[mode] = {
                 k: r[k] for k in ("wall_s", "elapsed_s", "train_util", "infer_util", "cpu_util", "busy_s",
-                                  "device", "dtype") if k in r}
+                                  "device", "dtype", "memory") if k in r}
             result.mark(f"{setting} {mode}")
             print(f"  {setting:6s} {mode:8s}: wall {r['wall_s']:6.1f}s  training util {r['train_util']:.1%}  "
                   f"inference util {r['infer_util']:.1%}  CPU busy {r['cpu_util']:.0%}", flush=True)
@@ -128,7 +129,9 @@ def summarize(rows: dict, budget, device, dtype, pools, setting: str) -> dict:
                "train_util_ratio": train_ratio, "cpu_util_isolated": iso["cpu_util"], "cpu_util_multi": multi["cpu_util"],
                "per_job": {m: {n: {k: v for k, v in j.items() if k in ("wall_s", "policy_version")}
                                for n, j in r["jobs"].items()} for m, r in rows.items()},
-               "budget": dataclasses.asdict(budget), "environment": environment(device, dtype), "memory": pools.last,
+               "budget": dataclasses.asdict(budget), "environment": environment(device, dtype),
+               # read by each run while its services' pools existed (the peak counters span the whole run)
+               "memory": high_water([r.get("memory", {}) for r in rows.values()]),
                "placement": {"device": multi["device"], "dtype": multi["dtype"],  # as the services ran
                              **({k: list(v) for k, v in split_cores().items()} if setting == "split"
                                 else {"cores": "shared"})},

@@ -250,6 +250,8 @@ def _collect(work: Path, out_dir: Path) -> None:
     back eight files at most), the others as they are."""
     merged = {name.removeprefix("group_batching_"): _load(work, name) for name in MERGED}
     if any(v is not None for v in merged.values()):
+        before = _load(out_dir, "group_batching") or {}  # a rerun of some steps keeps the others' results
+        merged = {k: v if v is not None else before.get(k) for k, v in merged.items()}
         _write_atomic(out_dir / "group_batching.json", json.dumps(merged, indent=1) + "\n")
     for f in work.glob("*.json"):
         if f.stem not in MERGED:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from vlamux.jobs.master import MasterService
+from vlamux.model.memory import high_water, peaks
 from vlamux.model.backbones import spec_from_arg
 from vlamux.services.queues import InferenceQueueConfig
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig, backbone_name
@@ -99,7 +100,7 @@ def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny
     time, service utilisation and each job's result. placement: RuntimeConfig's service_cpus /
     env_cpus (None: shared cores)."""
     workdir = Path(workdir) / (label or mode)
-    results, walls, busy, placed = {}, [], {"training": 0.0, "inference": 0.0}, {}
+    results, walls, busy, placed, memory = {}, [], {"training": 0.0, "inference": 0.0}, {}, {}
     process_cpu = 0.0  # this process's CPU time while jobs ran (the simulators are child processes)
     groups = [[s] for s in specs] if mode == "isolated" else [specs]
     t_all = time.monotonic()
@@ -119,12 +120,14 @@ def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny
                 if j.state != "succeeded":
                     raise RuntimeError(f"job {j.spec.name} {j.state}: {j.error}")
                 results[j.spec.name] = j.result
+            memory = high_water([memory, peaks(rt.training.runner.lane.device)])  # while its pools exist
         finally:
             rt.stop()
     wall = sum(walls)
     return {"mode": mode, **placed, "wall_s": wall, "elapsed_s": time.monotonic() - t_all,
             "train_util": busy["training"] / wall, "infer_util": busy["inference"] / wall,
-            "busy_s": busy, "process_cpu_s": process_cpu, "jobs": results}
+            "busy_s": busy, "process_cpu_s": process_cpu, "memory": memory, "jobs": results}
+
 
 
 def _runtime(backbone: str, device: str = "auto", dtype: str = "auto", placement: dict | None = None

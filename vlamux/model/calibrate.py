@@ -73,21 +73,26 @@ def measure(backbone, lane, max_rows: int = MAX_ROWS, repeats: int = 5, max_call
 def measure_steps(backbone, lane, max_rows: int = MAX_ROWS, repeats: int = 5, max_call_s: float = MAX_CALL_S):
     """`measure`, one forward a step: a generator that yields after each timed forward (a service serves
     its queued groups in between) and returns (rows, seconds). A forward's time is its own: each is
-    waited for before the next step. MAX_PROBE_S bounds the timed calls' time: not each shape's warm-up
-    call (excluded), nor what is served between the steps."""
+    waited for before the next step. MAX_PROBE_S bounds the probe's own time (its inputs' making and its
+    timed calls; not each shape's first call, which carries CUDA's start-up, nor what is served
+    between the steps)."""
     sizes, batches, first = [], {}, []
     r, past, spent = 1, 0, 0.0
     while r <= max_rows and past < 2 and spent < MAX_PROBE_S:
         # probe on until two doublings in a row stopped paying
+        t0 = time.perf_counter()
         with torch.no_grad():
             batches[r] = probe_group(backbone, r, seed=r)
-            backbone.forward_group(batches[r])  # warm-up: this shape's first call (CUDA/cuBLAS start-up) is not timed
+            t1 = time.perf_counter()
+            backbone.forward_group(batches[r])  # warm-up: this shape's first call (CUDA/cuBLAS start-up)
+            _done(lane.mark())
+            t2 = time.perf_counter()
             start = lane.mark()
             backbone.forward_group(batches[r])  # a first estimate
             end = _done(lane.mark())
         sizes.append(r)
         first.append(lane.seconds(start, end))
-        spent += first[-1]
+        spent += time.perf_counter() - t0 - (t2 - t1)  # all of the step's time but its warm-up call
         if first[-1] > max_call_s:
             break
         past = past + 1 if len(first) > 1 and first[-1] > 2 * first[-2] * (1 - DOUBLING_GAIN) else 0

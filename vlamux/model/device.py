@@ -249,15 +249,18 @@ class Lane:
 
     def to_host(self, tree):
         """Every tensor of a nested dict/list/tuple on the host, detached. On CUDA: one asynchronous copy
-        of all the device tensors' bytes into one pinned buffer (`gather_to_host`), one wait on this
-        lane's stream (not on the device)."""
+        of all the device tensors' bytes into one pinned buffer (`gather_to_host`) on this lane's stream,
+        one wait on that stream (not on the device), then each tensor copied out of the buffer on the
+        host. Call it inside `active()` (the copies are queued on the current stream)."""
         if not self.cuda:
             return map_tensors(tree, lambda t: t.detach() if t.device.type == "cpu" else t.detach().cpu())
         on_device: list[Tensor] = []
         map_tensors(tree, lambda t: on_device.append(t) if t.device.type != "cpu" else None)
-        views = iter(gather_to_host(on_device, pinned=True))
+        views = gather_to_host(on_device, pinned=True)
         self.wait()
-        return map_tensors(tree, lambda t: t.detach() if t.device.type == "cpu" else next(views))
+        # each result its own tensor (a host copy): one tenant's output pickled, or kept, is not the round's
+        copies = iter([v.clone() for v in views])
+        return map_tensors(tree, lambda t: t.detach() if t.device.type == "cpu" else next(copies))
 
     def wait(self) -> None:
         """Block the calling thread until this lane's queued work is done (an event on its stream)."""

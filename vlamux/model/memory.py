@@ -149,3 +149,12 @@ def peaks(device: torch.device | str) -> dict:
                model_reserved_bytes=max(0, torch.cuda.memory_reserved(device) - rollout))
     return out
 
+
+def high_water(readings: list[dict]) -> dict:
+    """The largest of each figure over several `peaks` readings (runs one after another)."""
+    out: dict = {}
+    for reading in readings:
+        for k, v in reading.items():
+            out[k] = max(out.get(k, 0), v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    return out
+

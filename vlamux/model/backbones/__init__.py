@@ -63,8 +63,9 @@ ON_DEVICE_PARAMS = 300_000_000
 
 def _build_builtin(spec: BackboneSpec, device: torch.device) -> tuple[Backbone, str]:
     """The backbone and its content digest: the sha256 of its weights as built (fp32, on the CPU: the
-    same on every machine), or, for a random preset built on its GPU, of its recipe (preset, seed, the
-    device type and torch that drew it), which names those weights as exactly without a host copy."""
+    same on every machine), or, for a random preset built on its GPU, of its recipe (preset, seed, and
+    what drew it: the GPU model and its multiprocessor count, which shape CUDA's random streams, and
+    torch), which names those weights without a host copy of them."""
     if spec.weights:
         b = load_backbone(SHIPPED.get(spec.weights, spec.weights))
         return b, _weights_sha256(b)
@@ -74,8 +75,10 @@ def _build_builtin(spec: BackboneSpec, device: torch.device) -> tuple[Backbone, 
     if device.type == "cuda" and 12 * config.depth * config.dim ** 2 >= ON_DEVICE_PARAMS:
         with seeded_on(spec.seed, device):  # never disturbs the caller's random streams either
             b = BuiltinBackbone(config, spec.backbone_id)
+        gpu = torch.cuda.get_device_properties(device)  # CUDA's random streams depend on the grid it launches
         recipe = json.dumps({"kind": "builtin", "config": builtin_config_dict(config), "seed": spec.seed,
-                             "drawn_on": "cuda", "torch": torch.__version__}, sort_keys=True)
+                             "drawn_on": {"gpu": gpu.name, "multiprocessors": gpu.multi_processor_count},
+                             "torch": torch.__version__}, sort_keys=True)
         return b, hashlib.sha256(recipe.encode()).hexdigest()
     with seeded(spec.seed):  # never disturbs the caller's random streams
         b = BuiltinBackbone(config, spec.backbone_id)
