@@ -115,7 +115,11 @@ def main(ctx: click.Context, url: str, key: str | None, timeout: float, max_retr
 @click.option("--backbone", default="tiny", show_default=True,
               help="The default backbone: a built-in preset, or a model directory (a transformers VLM).")
 @click.option("--add-backbone", "extra_backbones", multiple=True, metavar="NAME=PRESET_OR_DIR",
-              help="Another backbone the services hold at once (repeatable); job specs and slots name it.")
+              help="Another backbone the services hold at once (repeatable); job specs and slots name it. "
+                   "lerobot:CKPT_DIR holds a LeRobot checkpoint's VLM (SmolVLA, π0, π0.5; with --vlm).")
+@click.option("--vlm", default=None, metavar="DIR",
+              help="For a lerobot:CKPT_DIR backbone: the local copy of the VLM/tokenizer repository the "
+                   "checkpoint names by hub id (its weights come from the checkpoint).")
 @click.option("--device", default="auto", show_default=True,
               help="Where the model services run: auto (CUDA when present), cpu, cuda, cuda:N.")
 @click.option("--dtype", default="auto", show_default=True,
@@ -136,11 +140,11 @@ def main(ctx: click.Context, url: str, key: str | None, timeout: float, max_retr
                    "(repeatable). Without it the 'gym' backend is off for tenants.")
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
-def serve(host, port, data_dir, backbone, extra_backbones, device, dtype, training_device, inference_devices,
+def serve(host, port, data_dir, backbone, extra_backbones, vlm, device, dtype, training_device, inference_devices,
           inference_replicas, ray_address, store_url, admin_key, max_body_mb, gym_envs, log_level) -> None:
     """Run the services and the HTTP API until interrupted (embedded runtime unless --ray)."""
     config = serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
-                          ray_address, store_url, max_body_mb, extra_backbones, gym_envs)
+                          ray_address, store_url, max_body_mb, extra_backbones, gym_envs, vlm)
     from vlamux.api.server import serve as run
 
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -148,7 +152,7 @@ def serve(host, port, data_dir, backbone, extra_backbones, device, dtype, traini
 
 
 def serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
-                 ray_address, store_url, max_body_mb, extra_backbones=(), gym_envs=()):
+                 ray_address, store_url, max_body_mb, extra_backbones=(), gym_envs=(), vlm=None):
     """`vlamux serve`'s options as a ServiceConfig; a device or dtype this machine cannot run is a usage
     error now, not a failure after start-up (on Ray, devices are the actors' and checked there)."""
     from vlamux.api.host import ServiceConfig
@@ -161,7 +165,7 @@ def serve_config(data_dir, backbone, device, dtype, training_device, inference_d
         if opt == "--add-backbone" and not (sep and name and what):
             raise click.BadParameter(f"{value!r}: expected NAME=PRESET_OR_DIR", param_hint=opt)
         try:
-            spec_from_arg(what if opt == "--add-backbone" else value)
+            spec_from_arg(what if opt == "--add-backbone" else value, vlm=vlm)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint=opt) from None
     allowed = {}
@@ -181,7 +185,7 @@ def serve_config(data_dir, backbone, device, dtype, training_device, inference_d
             except ValueError as e:
                 raise click.BadParameter(str(e), param_hint=opt if "dtype" not in str(e) else "--dtype") from None
     return ServiceConfig(data_dir=data_dir, store_url=store_url, backbone=backbone,
-                         extra_backbones=tuple(extra_backbones), device=device, dtype=dtype,
+                         extra_backbones=tuple(extra_backbones), vlm=vlm, device=device, dtype=dtype,
                          training_device=training_device, inference_devices=devices,
                          inference_replicas=inference_replicas, ray_address=ray_address, max_body_mb=max_body_mb,
                          gym_envs=allowed)
@@ -443,10 +447,13 @@ def policies(ctx) -> None:
 @click.argument("policy_id")
 @click.option("--version", type=int, default=None, help="A checkpoint's policy version (default: the live one).")
 @click.option("--out", "-o", default=None, help="The file to write (default: the server's name for it, here).")
+@click.option("--format", "fmt", type=click.Choice(["vlamux", "lerobot"]), default="vlamux", show_default=True,
+              help="lerobot: a policy imported from a LeRobot checkpoint, as a tar of its checkpoint directory.")
 @click.pass_context
-def policies_download(ctx, policy_id: str, version: int | None, out: str | None) -> None:
-    """Save policy POLICY_ID as one file: run it with vlamux.policy.load(FILE, backbone=...)."""
-    path = _client(ctx).policy(policy_id).download(out, version)
+def policies_download(ctx, policy_id: str, version: int | None, out: str | None, fmt: str) -> None:
+    """Save policy POLICY_ID as one file: run it with vlamux.policy.load(FILE, backbone=...) (with
+    --format lerobot: unpack the tar; lerobot's from_pretrained or vlamux.policy.load(DIR, vlm=...))."""
+    path = _client(ctx).policy(policy_id).download(out, version, fmt)
     click.echo(f"wrote {path}")
 
 
@@ -461,13 +468,15 @@ def policies_delete(ctx, policy_id: str) -> None:
 
 
 @policies.command("upload")
-@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("path", type=click.Path(exists=True, path_type=Path))
 @click.option("--name", default=None, help="Its name for a job's init_from (default: from the file's name).")
 @click.pass_context
 def policies_upload(ctx, path: Path, name: str | None) -> None:
-    """Upload policy file PATH (a download's); a job spec's `init_from: NAME` starts from it."""
+    """Upload policy file PATH (a download's), or a LeRobot checkpoint directory (SmolVLA, π0, π0.5);
+    a job spec's `init_from: NAME` starts from it."""
     f = _client(ctx).upload_policy_file(str(path), name)
-    click.echo(f"policy file {f['name']}: version {f['policy_version']} on backbone {f['backbone']}, {f['bytes']} bytes")
+    kind = f"{f['family']} checkpoint" if f.get("format") == "lerobot" else f"version {f['policy_version']}"
+    click.echo(f"policy file {f['name']}: {kind} on backbone {f['backbone']}, {f['bytes']} bytes")
 
 
 @policies.command("files")

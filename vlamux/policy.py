@@ -4,6 +4,10 @@
     policy = vlamux.policy.load("acme.policy.safetensors", backbone="tiny-tabletop")   # or a model dir
     out = policy.act(obs)            # float32 [B, H, A]: the chunk the service returns for obs
 
+    policy = vlamux.policy.load("smolvla_ckpt/", vlm="SmolVLM2-500M-Video-Instruct/")  # a LeRobot checkpoint
+    policy.act(obs, noise=x0)        # lerobot's chunk for that noise
+    policy.save_lerobot("out/")      # back out as a LeRobot checkpoint
+
 The file (safetensors) holds the tenant's module only: the head's and adapter's weights and the
 normalisation statistics, the head's spec, the policy version, and the backbone's id and content hash;
 never the shared backbone's weights. `load` refuses a backbone whose content hash differs, naming
@@ -80,10 +84,12 @@ class Policy:
     def backbone(self) -> Backbone:
         return next(iter(self.runner.backbones.values()))
 
-    def act(self, obs, deterministic: bool = True, seed: int | None = None) -> np.ndarray:
+    def act(self, obs, deterministic: bool = True, seed: int | None = None, noise=None) -> np.ndarray:
         """The action chunk for each row of `obs` (the wire layout: ``{"images": {cam: uint8 [B, 3,
         H, W]}, "state": float32 [B, S], "instructions": [str] * B}``, or an env observation with
-        "instruction"): float32 [B, H, A]. seed: restart the sampler's random stream from it first."""
+        "instruction"): float32 [B, H, A]. seed: restart the sampler's random stream from it first;
+        noise: a flow policy's starting noise [B, H, A'] (as lerobot's `noise=`), instead of a draw
+        (deterministic: zeros)."""
         from vlamux.model.device import to_numpy
         from vlamux.services.environment import obs_to_observation
 
@@ -91,14 +97,42 @@ class Policy:
             obs = {**obs, "instruction": obs["instructions"]}
         if seed is not None:
             self.runner.slot(TENANT).generator.manual_seed(int(seed))
-        out = self.runner.execute([Sample(TENANT, obs_to_observation(obs), deterministic)])[0].unwrap()
+        if noise is not None:
+            noise = torch.as_tensor(np.asarray(noise) if not isinstance(noise, torch.Tensor) else noise,
+                                    dtype=torch.float32)
+        out = self.runner.execute([Sample(TENANT, obs_to_observation(obs), deterministic, noise)])[0].unwrap()
         return to_numpy(out["actions"])
 
+    def save_lerobot(self, out: str | Path) -> Path:
+        """This policy as a LeRobot checkpoint directory (a policy imported from one: its VLM, expert,
+        statistics and processors), which lerobot's `from_pretrained` reads."""
+        from vlamux.model.vla.export import write_lerobot
 
-def load(path: str | Path, backbone: str | BackboneSpec | Backbone, device: str = "cpu",
-         dtype: torch.dtype = torch.float32) -> Policy:
+        slot = self.runner.slot(TENANT)
+        return write_lerobot(out, self.backbone.ckpt_dir, self.backbone.content_sha256, slot.head_spec,
+                             slot.policy_tensors(),
+                             {k: v.mode for k, v in slot.stats.items()})
+
+
+def load(path: str | Path, backbone: str | BackboneSpec | Backbone | None = None, device: str = "cpu",
+         dtype: torch.dtype = torch.float32, vlm: str | Path | None = None) -> Policy:
     """Load a policy file onto `backbone` (a preset or shipped weights name, a model directory, a
-    BackboneSpec, or a built backbone), on `device`. Refuses a backbone other than the policy's own."""
+    BackboneSpec, or a built backbone), on `device`. Refuses a backbone other than the policy's own.
+    A LeRobot checkpoint directory (SmolVLA, π0, π0.5) loads whole: its VLM as the backbone, with
+    `vlm` the directory of the VLM/tokenizer files it names by hub id."""
+    from vlamux.model.vla.checkpoint import is_lerobot_checkpoint
+
+    if is_lerobot_checkpoint(path):
+        if backbone is None:
+            backbone = BackboneSpec(kind="lerobot", path=str(path), vlm=None if vlm is None else str(vlm))
+        if isinstance(backbone, BackboneSpec):
+            backbone = build_backbone(backbone, device=device, dtype=dtype)
+        runner = ModelRunner(backbone)
+        slot = runner.import_lerobot(TENANT, path)
+        return Policy(runner, {"head_spec": slot.head_spec.to_json(), "policy_version": "0",
+                               "backbone_id": backbone.backbone_id, "backbone_sha256": backbone.content_sha256})
+    if backbone is None:
+        raise ValueError(f"{path}: a policy file names the backbone it runs on: give backbone=")
     if isinstance(backbone, str):
         backbone = spec_from_arg(backbone)
     if isinstance(backbone, BackboneSpec):

@@ -218,7 +218,8 @@ def create_app(host: ServiceHost) -> FastAPI:
 
     @app.post("/v1/jobs", status_code=202)
     def submit(spec: dict[str, Any], t: str = Depends(tenant)):
-        check_head(spec.get("head"))
+        if spec.get("head") is not None or spec.get("init_from") is None:  # (a LeRobot checkpoint brings its head)
+            check_head(spec.get("head"))
         check_optimizer(spec.get("optimizer"))
         # The Master Service checks the backbone only after the job's record is made (which would
         # then stay "queued" for ever, counting against the tenant's job quota): check it first.
@@ -314,14 +315,17 @@ def create_app(host: ServiceHost) -> FastAPI:
 
     @app.get("/v1/policies/{policy_id}/download")
     def download_policy(policy_id: str, version: int | None = Query(default=None, ge=0, le=10**12),
+                        format: str = Query(default="vlamux", pattern="^(vlamux|lerobot)$"),
                         t: str = Depends(tenant)):
         """The policy as one safetensors file (vlamux.policy.load runs it without a server): the
         tenant's module, spec and statistics and the backbone's id and content hash, never the
-        backbone's weights. `version`: a checkpoint's policy version (default: the live one)."""
-        path, served = host.policy_file(t, policy_id, version)
+        backbone's weights. `version`: a checkpoint's policy version (default: the live one).
+        format=lerobot: a policy imported from a LeRobot checkpoint, as a tar of the checkpoint
+        directory lerobot's `from_pretrained` reads (the shared VLM's weights included)."""
+        path, served = host.policy_file(t, policy_id, version, format)
         name = host.policy_view(t, policy_id)["name"]
-        return FileResponse(path, media_type="application/octet-stream",
-                            filename=f"{name}-v{served}.policy.safetensors",
+        suffix = "lerobot.tar" if format == "lerobot" else "policy.safetensors"
+        return FileResponse(path, media_type="application/octet-stream", filename=f"{name}-v{served}.{suffix}",
                             background=BackgroundTask(path.unlink, missing_ok=True))
 
     @app.post("/v1/policies/{policy_id}/predict", openapi_extra=MSGPACK, responses=MSGPACK_OUT)

@@ -14,6 +14,7 @@ import contextlib
 import csv
 import logging
 import os
+import shutil
 import threading
 import time
 import uuid
@@ -47,6 +48,7 @@ class ServiceConfig:
     store_url: str | None = None
     backbone: str = "tiny"  # the default backbone: a built-in preset, or a model directory (hf)
     extra_backbones: tuple = ()  # more the services hold at once: "NAME=PRESET_OR_DIRECTORY" each
+    vlm: str | None = None  # the VLM/tokenizer directory a "lerobot:CKPT_DIR" backbone's checkpoint names
     # Placement (RuntimeConfig's): "auto" is CUDA where present; dtype "auto": bf16 on CUDA, fp32 on a CPU.
     device: str = "auto"
     dtype: str = "auto"
@@ -172,8 +174,8 @@ class ServiceHost:
             name, sep, value = str(item).partition("=")
             if not sep or not name or not value:
                 raise ValueError(f"extra backbone {item!r}: expected NAME=PRESET_OR_DIRECTORY")
-            extra[name] = spec_from_arg(value)
-        return {"backbone": spec_from_arg(c.backbone), "backbones": extra, "device": c.device, "dtype": c.dtype,
+            extra[name] = spec_from_arg(value, vlm=c.vlm)
+        return {"backbone": spec_from_arg(c.backbone, vlm=c.vlm), "backbones": extra, "device": c.device, "dtype": c.dtype,
                 "training_device": c.training_device, "inference_devices": tuple(c.inference_devices),
                 "inference_replicas": c.inference_replicas}
 
@@ -435,9 +437,14 @@ class ServiceHost:
         entries, nxt, _ = self.job_entries(tenant_id, job_id, since)
         return [e["line"] for e in entries], nxt
 
-    def policy_file(self, tenant_id: str, policy_id: str, version: int | None = None) -> tuple[Path, int]:
+    def policy_file(self, tenant_id: str, policy_id: str, version: int | None = None, fmt: str = "vlamux"
+                    ) -> tuple[Path, int]:
         """A policy file (vlamux.policy) of the tenant's policy: version `version` (a checkpoint's),
-        or the live one. Written under the tenant's directory; the caller deletes it once sent."""
+        or the live one; fmt "lerobot": a tar of the LeRobot checkpoint directory an imported policy
+        leaves as (vlamux.model.vla.export). Written under the tenant's directory; the caller deletes
+        it once sent."""
+        if fmt not in ("vlamux", "lerobot"):
+            raise InvalidInputError(f"format: 'vlamux' or 'lerobot', got {str(fmt)[:40]!r}")
         from vlamux.policy import snapshot_of, write_policy
 
         rec = self._policy(tenant_id, policy_id)
@@ -464,11 +471,13 @@ class ServiceHost:
             snap = snapshot_of(source)
         finally:
             tmp.unlink(missing_ok=True)
-        sha = next((b.get("sha256") for b in self.runtime.describe_backbones() if b["id"] == snap.backbone_id), None)
-        if sha is None:
+        held = next((b for b in self.runtime.describe_backbones() if b["id"] == snap.backbone_id), {})
+        if held.get("sha256") is None:
             raise Conflict(f"policy {policy_id!r} was trained on backbone {snap.backbone_id!r}, which this service "
                            f"no longer holds: its content hash is unknown")
-        path = write_policy(snap, sha, out_dir / f"{uuid.uuid4().hex}.policy.safetensors")
+        if fmt == "lerobot":
+            return _lerobot_tar(snap, held, out_dir), snap.version
+        path = write_policy(snap, held["sha256"], out_dir / f"{uuid.uuid4().hex}.policy.safetensors")
         return path, snap.version
 
     def job_checkpoints(self, tenant_id: str, job_id: str) -> list[dict]:
@@ -858,3 +867,27 @@ def _jsonable(x):
     if hasattr(x, "__dataclass_fields__"):
         return _jsonable(asdict(x))
     return str(x)
+
+
+def _lerobot_tar(snap, backbone: dict, out_dir: Path) -> Path:
+    """An imported policy's snapshot as a tar of the LeRobot checkpoint directory it leaves as."""
+    import tarfile
+
+    from vlamux.model.vla.export import write_lerobot
+
+    if backbone.get("kind") != "lerobot":
+        raise InvalidInputError(f"format: 'lerobot' is for policies imported from a LeRobot checkpoint; this one's "
+                                f"head is of kind {snap.head_spec.kind!r} on backbone {snap.backbone_id!r}")
+    work = out_dir / f".lerobot-{uuid.uuid4().hex}"
+    path = out_dir / f"{uuid.uuid4().hex}.lerobot.tar"
+    try:
+        write_lerobot(work / "policy", backbone["checkpoint"], backbone["sha256"], snap.head_spec,
+                      snap.ready().tensors, snap.stats_modes)
+        with tarfile.open(path, "w") as tar:
+            tar.add(work / "policy", arcname="policy")
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return path

@@ -6,6 +6,7 @@ Under the service's data directory:
     datasets/<name>/  or  datasets/<name>.hdf5            the service's public datasets
     tenants/<tenant>/datasets/<name>/  or  <name>.hdf5    the tenant's own (LeRobot, robomimic/LIBERO)
     tenants/<tenant>/policy-files/<name>.policy.safetensors   policies a tenant brought (a job's init_from)
+    tenants/<tenant>/policy-files/<name>.lerobot/             ... and LeRobot checkpoints (SmolVLA, π0, π0.5)
     tenants/<tenant>/uploads/<id>/{data, session.json}    uploads in progress: a client resumes at `offset`
 
 An upload is spooled to disk (never held whole in memory), its format told by its first bytes (tar,
@@ -31,13 +32,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vlamux.api.faults import Conflict, NotFound, QuotaExceeded, TooLarge
-from vlamux.api.uploads import ArchiveLimits, check_hdf5, dataset_root, scratch, unpack, validate, validate_hdf5
+from vlamux.api.uploads import (ArchiveLimits, check_hdf5, checkpoint_root, dataset_root, scratch, unpack, validate,
+                                validate_hdf5)
 from vlamux.errors import InvalidInputError
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
 HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 POLICY_SUFFIX = ".policy.safetensors"
+CHECKPOINT_SUFFIX = ".lerobot"  # a LeRobot policy checkpoint a tenant brought, unpacked (a directory)
 MAX_OPEN_UPLOADS = 4  # per tenant
 MAX_WHOLE_UPLOADS = 2  # per tenant: whole uploads (POST /v1/datasets, /v1/policy-files) streaming at once
 WHOLE_UPLOAD_RETRY_S = 5.0  # Retry-After of a whole upload refused for MAX_WHOLE_UPLOADS
@@ -139,15 +142,31 @@ class TenantFiles:
         root = self._policies(tenant_id)
         if not root.is_dir():
             return []
-        return [{"name": p.name[:-len(POLICY_SUFFIX)], "bytes": p.stat().st_size} for p in sorted(root.iterdir())
-                if p.name.endswith(POLICY_SUFFIX)]
+        out = []
+        for p in sorted(root.iterdir()):
+            if p.name.endswith(POLICY_SUFFIX) and p.is_file():
+                out.append({"name": p.name[:-len(POLICY_SUFFIX)], "format": "vlamux", "bytes": p.stat().st_size})
+            elif p.name.endswith(CHECKPOINT_SUFFIX) and p.is_dir():
+                out.append({"name": p.name[:-len(CHECKPOINT_SUFFIX)], "format": "lerobot", "bytes": du(p)})
+        return out
+
+    def _policy_entry(self, tenant_id: str, name) -> Path | None:
+        """A stored policy of that name: a policy file, or an unpacked LeRobot checkpoint."""
+        if not isinstance(name, str) or not NAME.fullmatch(name):
+            return None
+        root = self._policies(tenant_id)
+        if (root / f"{name}{POLICY_SUFFIX}").is_file():
+            return root / f"{name}{POLICY_SUFFIX}"
+        if (root / f"{name}{CHECKPOINT_SUFFIX}").is_dir():
+            return root / f"{name}{CHECKPOINT_SUFFIX}"
+        return None
 
     def policy_file_path(self, tenant_id: str, name, field_name: str) -> Path:
-        if not isinstance(name, str) or not NAME.fullmatch(name) or \
-                not (self._policies(tenant_id) / f"{name}{POLICY_SUFFIX}").is_file():
+        found = self._policy_entry(tenant_id, name)
+        if found is None:
             raise InvalidInputError(f"{field_name}: no policy file {str(name)[:80]!r} of yours (POST /v1/policy-files; "
                                     f"GET /v1/policy-files lists them)")
-        return (self._policies(tenant_id) / f"{name}{POLICY_SUFFIX}").resolve()
+        return found.resolve()
 
     def delete_dataset(self, tenant_id: str, name: str) -> None:
         found = self._find(self._datasets(tenant_id), name) if NAME.fullmatch(name) else None
@@ -158,11 +177,11 @@ class TenantFiles:
             self._changed(tenant_id)
 
     def delete_policy_file(self, tenant_id: str, name: str) -> None:
-        path = self._policies(tenant_id) / f"{name}{POLICY_SUFFIX}"
-        if not NAME.fullmatch(name) or not path.is_file():
+        path = self._policy_entry(tenant_id, name)
+        if path is None:
             raise NotFound(f"no policy file {name!r} of yours")
         with self._tenant_lock(tenant_id):
-            path.unlink()
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
             self._changed(tenant_id)
 
     # ---- the quota --------------------------------------------------------------------------------
@@ -317,10 +336,13 @@ class TenantFiles:
 
         own = self._policies(tenant_id)
         own.mkdir(parents=True, exist_ok=True)
-        if (own / f"{name}{POLICY_SUFFIX}").exists():
+        if self._policy_entry(tenant_id, name) is not None:
             raise Conflict(f"name: a policy file {name!r} exists already (delete it first, or pick another name)")
+        if fmt in ("tar", "gzip"):
+            return self._accept_checkpoint(tenant_id, spooled, name, but)
         if fmt != "safetensors":
-            raise InvalidInputError("body: not a policy file (a safetensors file from GET /v1/policies/{id}/download)")
+            raise InvalidInputError("body: not a policy file (a safetensors file from GET /v1/policies/{id}/download) "
+                                    "nor a tar archive of a LeRobot policy checkpoint directory")
         size = spooled.stat().st_size
         self._over(tenant_id, size, "the policy file", but)
         try:
@@ -335,6 +357,38 @@ class TenantFiles:
         os.replace(spooled, own / f"{name}{POLICY_SUFFIX}")
         return {"name": name, "bytes": size, "policy_version": int(meta["policy_version"]),
                 "backbone": held[meta["backbone_sha256"]], "head": json.loads(HeadSpec.from_json(meta["head_spec"]).to_json())}
+
+    def _accept_checkpoint(self, tenant_id: str, spooled: Path, name: str, but: str | None) -> dict:
+        """A tar of a LeRobot checkpoint directory: unpacked within the quota, read back whole (its files,
+        tensors and statistics), and kept only if its VLM is one this service holds."""
+        from vlamux.model.vla.checkpoint import LeRobotCheckpoint
+
+        own = self._policies(tenant_id)
+        remaining = max(0, self.limit(tenant_id) - self.used(tenant_id, but))
+        tmp = scratch(own)
+        try:
+            unpack(spooled, tmp, ArchiveLimits(max_bytes=remaining + 1))
+            root = checkpoint_root(tmp)
+            size = du(root)
+            self._over(tenant_id, size, "the checkpoint", but)
+            try:
+                ckpt = LeRobotCheckpoint.read(root)
+            except InvalidInputError as e:
+                raise InvalidInputError(f"body: {e}") from None
+            held, digest = self._backbone_hashes(), ckpt.vlm_sha256()
+            if digest not in held:
+                raise InvalidInputError(f"body: the checkpoint's VLM (sha256 {digest}) is none this service holds "
+                                        f"(it holds {sorted(held.values())}); serve it with --add-backbone "
+                                        f"NAME=lerobot:CKPT_DIR --vlm DIR")
+            info = {"name": name, "format": "lerobot", "bytes": size, "family": ckpt.family, "backbone": held[digest],
+                    "policy_version": 0, "cameras": ckpt.cameras(), "state_dim": ckpt.state_dim(),
+                    "action_dim": ckpt.action_dim()}
+            del ckpt
+            self._over(tenant_id, size, "the checkpoint", but, hold=True)
+            os.replace(root, own / f"{name}{CHECKPOINT_SUFFIX}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return info
 
     # ---- resumable uploads ----------------------------------------------------------------------------
     def _sessions(self, tenant_id: str) -> list[dict]:

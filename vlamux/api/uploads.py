@@ -93,6 +93,19 @@ def dataset_root(unpacked: Path) -> Path:
                             "not a LeRobot dataset")
 
 
+def checkpoint_root(unpacked: Path) -> Path:
+    """The LeRobot policy checkpoint in an unpacked archive: at its top, or in its one top-level directory."""
+    from vlamux.model.vla.checkpoint import CONFIG
+
+    if (unpacked / CONFIG).is_file():
+        return unpacked
+    entries = [p for p in unpacked.iterdir()]
+    if len(entries) == 1 and entries[0].is_dir() and (entries[0] / CONFIG).is_file():
+        return entries[0]
+    raise InvalidInputError(f"body: no {CONFIG} at the archive's top or in its one top-level directory; not a "
+                            f"LeRobot policy checkpoint")
+
+
 def validate(root: Path) -> dict:
     """Read the dataset back as training will (its metadata, and a frame of its first and last
     episodes, cameras included): what it holds, or an error naming the file and the key.

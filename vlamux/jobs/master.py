@@ -21,6 +21,7 @@ from pathlib import Path
 
 from vlamux.errors import VlamuxError
 from vlamux.jobs.spec import JobSpec, JobSpecError, load_spec
+from vlamux.model.heads.lerobot import checkpoint_of
 from vlamux.workflows.evaluate import evaluate, paired
 from vlamux.workflows.rl import RLRun
 from vlamux.workflows.sft import SFTRun
@@ -126,7 +127,7 @@ class MasterService:
             if resume is not None:
                 svc.load_state(spec.tenant, ckpt).result(120)
                 log.info("job %s resumes from %s (%s)", spec.name, ckpt, resume)
-            elif spec.init_from:
+            elif spec.init_from and checkpoint_of(spec.head) is None:  # (an imported checkpoint made the slot)
                 svc.load_state(spec.tenant, spec.init_from).result(120)
             if resume is None and spec.init_adapter:
                 svc.import_adapter(spec.tenant, spec.init_adapter).result(120)
@@ -261,6 +262,10 @@ class MasterService:
 
 
 def _stats_mode(spec: JobSpec) -> str:
+    """A dataset's statistics as the head normalises: min/max for bins and for π0.5's experts (lerobot's
+    quantiles; the dataset's min and max stand in for its q01 and q99), else mean/std."""
+    if spec.head.kind == "lerobot":
+        return "min_max" if spec.head.options.get("family") == "pi05" else "mean_std"
     return "min_max" if spec.head.kind == "bins" else "mean_std"
 
 

@@ -77,7 +77,8 @@ class JobSpec:
     name: str
     tenant: str
     kind: str  # sft | rl | eval
-    head: HeadSpec
+    # None: init_from names a LeRobot checkpoint, whose expert is the head (heads.lerobot.import_spec)
+    head: HeadSpec | None = None
     backbone: str | None = None  # a backbone's name in the service (None: its default)
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     sft: SFTConfig | None = None
@@ -99,6 +100,7 @@ class JobSpec:
             raise JobSpecError("eval: an eval job needs an 'eval' section (tasks, episodes)")
         if not self.name or len(self.name) > 128 or not all(c.isalnum() or c in "-_." for c in self.name):
             raise JobSpecError(f"name: 1 to 128 letters, digits, '-', '_' and '.', got {self.name[:80]!r}")
+        self._lerobot_head()
         if self.checkpoint_every < 1:
             raise JobSpecError(f"checkpoint_every: expected >= 1, got {self.checkpoint_every}")
         if self.init_adapter is not None:
@@ -107,6 +109,21 @@ class JobSpec:
             if not (Path(self.init_adapter) / "adapter_config.json").is_file():
                 raise JobSpecError(f"init_adapter: {self.init_adapter} is not a PEFT adapter directory "
                                    "(no adapter_config.json)")
+
+    def _lerobot_head(self) -> None:
+        from vlamux.model.heads.lerobot import import_spec
+        from vlamux.model.vla.checkpoint import is_lerobot_checkpoint
+
+        lerobot = self.init_from is not None and is_lerobot_checkpoint(self.init_from)
+        if lerobot and self.head is not None and self.head.options.get("checkpoint") != str(self.init_from):
+            raise JobSpecError("head: init_from names a LeRobot checkpoint, whose expert is the head: give no head")
+        if lerobot and self.head is None:
+            self.head = import_spec(self.init_from)
+            default = SFTConfig.__dataclass_fields__["camera_map"].default_factory()
+            if self.sft is not None and self.sft.camera_map == default:  # the checkpoint's cameras, by their names
+                self.sft.camera_map = {f"observation.images.{c}": c for c in self.head.options["cameras"]}
+        if self.head is None:
+            raise JobSpecError("head: required (unless init_from names a LeRobot checkpoint)")
 
     @property
     def env(self) -> EnvSpec | None:

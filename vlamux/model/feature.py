@@ -43,6 +43,9 @@ class VLAFeature:
     token_type: Tensor  # [B, L] int64, see TokenType
     meta: FeatureMeta
     layers: tuple[Tensor, ...] = ()  # hidden states of the last k blocks, oldest first, each [B, L, D]
+    # A LeRobot backbone's prefix: each language layer's keys (after RoPE) and values and the prefix's
+    # real tokens (vlamux.model.vla.vlm.PrefixKV), what an imported expert reads at every flow step
+    kv: object | None = None
 
     @property
     def batch_size(self) -> int:
@@ -56,7 +59,8 @@ class VLAFeature:
         """The same feature in `dtype` (a head may run in another precision than the backbone)."""
         if self.hidden.dtype == dtype:
             return self
-        return replace(self, hidden=self.hidden.to(dtype), layers=tuple(t.to(dtype) for t in self.layers))
+        return replace(self, hidden=self.hidden.to(dtype), layers=tuple(t.to(dtype) for t in self.layers),
+                       kv=None if self.kv is None else self.kv.to(dtype))
 
     def select(self, rows: slice, index: Tensor | None = None, n_layers: int | None = None) -> VLAFeature:
         """Rows `rows`, token positions `index` (all if None), the last `n_layers` layers."""
@@ -65,6 +69,8 @@ class VLAFeature:
             t = t[rows]
             return t if index is None else t.index_select(1, index)
 
+        if self.kv is not None and index is not None:
+            raise ValueError("a feature with a prefix's keys and values is selected by rows only")
         if n_layers is not None and n_layers > len(self.layers):
             raise ValueError(f"asked for the last {n_layers} layers, the feature carries {len(self.layers)}")
         layers = self.layers if n_layers is None else (self.layers[len(self.layers) - n_layers:] if n_layers else ())
@@ -74,6 +80,7 @@ class VLAFeature:
             mask=take(self.mask),
             token_type=take(self.token_type),
             layers=tuple(take(x) for x in layers),
+            kv=None if self.kv is None else self.kv.select(rows),
         )
 
 

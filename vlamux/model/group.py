@@ -28,6 +28,9 @@ class ForwardBackward:
     actions: Tensor  # [B, H, A] in the tenant's units
     action_mask: Tensor | None = None  # [B, H] bool, False on padded (or, for RL, unexecuted) steps
     loss: PolicyLoss | None = None  # None: the head's supervised loss; else the RL objective
+    # a flow head's draws, given instead of drawn (to reproduce a reference): noise [B, H, A'], time [B]
+    noise: Tensor | None = None
+    time: Tensor | None = None
 
 
 @dataclass
@@ -37,9 +40,22 @@ class Sample:
     tenant: str
     obs: Observation
     deterministic: bool = False
+    noise: Tensor | None = None  # a flow head's starting noise [B, H, A'], given instead of drawn
 
 
 Request = ForwardBackward | Sample
+
+
+def given_draws(req: Request) -> dict | None:
+    """A request's draws as its caller gave them (a flow head's noise, and for a loss its time), in the
+    heads' draw layout; None: the tenant's generator draws them."""
+    if req.noise is None:
+        return None
+    if isinstance(req, Sample):
+        return {"x0": req.noise}
+    if req.time is None:
+        raise ValueError("ForwardBackward: noise is given, time is not (a flow loss takes both)")
+    return {"noise": req.noise, "t": req.time}
 
 
 @dataclass

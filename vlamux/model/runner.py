@@ -30,7 +30,7 @@ from vlamux.model.batch import CanonicalBatch
 from vlamux.model.device import Lane
 from vlamux.model.feature import VLAFeature
 from vlamux.model.fused import FusedHeads, architecture
-from vlamux.model.group import ForwardBackward, Request, Result, Sample, plan_groups
+from vlamux.model.group import ForwardBackward, Request, Result, Sample, given_draws, plan_groups
 from vlamux.model.heads import HeadSpec
 from vlamux.model.memory import MemoryPools
 from vlamux.model.slot import OptimizerSpec, PendingGrads, PolicySnapshot, RowInputs, Slot
@@ -94,9 +94,29 @@ class ModelRunner:
     # ---- slots ----------------------------------------------------------------------------------
     def create_slot(self, tenant: str, head_spec: HeadSpec, optim: OptimizerSpec | None = None, seed: int = 0,
                     backbone_id: str | None = None) -> Slot:
+        """A new tenant's slot; a head spec that names a LeRobot checkpoint (`heads.lerobot.import_spec`)
+        imports it (`import_lerobot`), onto `backbone_id` when given."""
+        from vlamux.model.heads.lerobot import checkpoint_of
+
+        if checkpoint_of(head_spec) is not None:
+            return self.import_lerobot(tenant, checkpoint_of(head_spec), optim, seed, backbone_id)
         backbone = self._backbone(backbone_id or self.default_backbone)
         return self.add_slot(Slot(tenant, head_spec, backbone.meta, optim, seed, backbone.device,
                                   **self.adapter_targets(backbone.backbone_id)))
+
+    def import_lerobot(self, tenant: str, ckpt_dir, optim: OptimizerSpec | None = None, seed: int = 0,
+                       backbone_id: str | None = None) -> Slot:
+        """A tenant from a LeRobot checkpoint (SmolVLA, π0, π0.5): its expert and statistics in a slot on
+        the backbone that holds the checkpoint's VLM (the same tensors, by content hash; else refused)."""
+        from vlamux.model.vla.checkpoint import LeRobotCheckpoint
+        from vlamux.model.vla.tenant import backbone_for, imported_slot
+
+        if tenant in self.slots:
+            raise ValueError(f"tenant {tenant!r} already has a slot")
+        ckpt = LeRobotCheckpoint.read(ckpt_dir)
+        among = [self._backbone(backbone_id)] if backbone_id else list(self.backbones.values())
+        backbone = backbone_for(ckpt, among)
+        return self.add_slot(imported_slot(tenant, ckpt, backbone, optim, seed))
 
     def adapter_targets(self, backbone_id: str) -> dict:
         """What a slot with an adapter or query tokens needs to know of its backbone (Slot's keyword
@@ -245,7 +265,7 @@ class ModelRunner:
                 # prepare checks the observation before it copies; a VLM's processor copies nothing (its
                 # forward does), and needs no turn at the device's rollout pools
                 with self.pools.rollout() if backbone.prepares_on_device else contextlib.nullcontext():
-                    batch = backbone.prepare(req.obs, n_query=slot.head_spec.query_tokens)
+                    batch = backbone.prepare(req.obs, **slot.prepare_kwargs())
                 if isinstance(req, ForwardBackward):
                     rows = slot.check_rows(req.obs.batch_size, req.obs.state, req.actions, req.action_mask,
                                            req.loss, train=True)
@@ -295,9 +315,10 @@ class ModelRunner:
             mine = [batches[i].batch for i in group]
             segments = list(zip(backbone.segments(mine), [s.adapter for s in slots])) \
                 if any(s.adapter is not None for s in slots) else []
-            queries = [s.query_vectors for s in slots]
-            extra = {"queries": queries} if any(q is not None for q in queries) else {}
             with adapters.active(segments), torch.set_grad_enabled(grad), self._saved_bytes(grad) as kept:
+                # each tenant's own vectors in the shared forward (query tokens; an imported policy's state token)
+                queries = [s.backbone_tokens(batches[i].rows) for i, s in zip(group, slots)]
+                extra = {"queries": queries} if any(q is not None for q in queries) else {}
                 features = backbone.forward_group(mine, n_layers=n_layers, **extra)
             if grad:
                 self.adapter_stats["groups"] += 1
@@ -354,7 +375,8 @@ class ModelRunner:
             try:
                 x = slot.fb_inputs(features[i], rows[i])
                 rng = slot.generator.get_state()
-                noise = slot.draw("loss", x.feature.batch_size) if x.loss is None else {}
+                given = given_draws(req)
+                noise = given if given is not None else slot.draw("loss", x.feature.batch_size) if x.loss is None else {}
                 loss, metrics, extra = slot.objective(x, slot.head_forward(x, noise))
             except Exception as e:  # noqa: BLE001 - that tenant's failure only
                 rnd.works.append(_Work(i, slot, error=e, span=(start, start, 0.0)))
@@ -415,7 +437,11 @@ class ModelRunner:
             return [[i] for i in group]
         buckets: dict[tuple, list[int]] = {}
         for i in group:
-            buckets.setdefault(architecture(self.slots[requests[i].tenant], _mode(requests[i])), []).append(i)
+            slot = self.slots[requests[i].tenant]
+            # a head that does not stack (an imported expert), or a request with its own draws, runs alone
+            alone = not getattr(slot.head, "FUSABLE", True) or getattr(requests[i], "noise", None) is not None
+            key = ("alone", i) if alone else architecture(slot, _mode(requests[i]))
+            buckets.setdefault(key, []).append(i)
         return list(buckets.values())
 
     def _single(self, i: int, requests: list[Request], rows: RowInputs, feature: VLAFeature, rnd: _Round) -> None:
@@ -424,9 +450,9 @@ class ModelRunner:
         start = self.lane.mark()
         try:
             if isinstance(req, ForwardBackward):
-                work.pending = slot.compute(slot.fb_inputs(feature, rows))
+                work.pending = slot.compute(slot.fb_inputs(feature, rows), noise=given_draws(req))
             else:
-                work.output = slot.sample_rows(feature, rows, req.deterministic)
+                work.output = slot.sample_rows(feature, rows, req.deterministic, noise=given_draws(req))
         except Exception as e:  # noqa: BLE001 - one tenant's failure is that tenant's result
             log.debug("tenant %r request failed: %s", slot.tenant, e)
             work.error = e

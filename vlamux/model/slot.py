@@ -167,6 +167,7 @@ class Slot:
             "action": NormStats.identity(head_spec.action_dim, self.head.ACTION_NORM).to(self.device),
             "state": NormStats.identity(head_spec.state_dim, "mean_std").to(self.device),
         }
+        self._host_copies: dict[str, tuple[NormStats, NormStats]] = {}  # `_host_stats`
         self.version = 0
         self.accumulated = 0  # forward_backward calls since the last optimizer step
 
@@ -175,12 +176,37 @@ class Slot:
 
     @property
     def trains_backbone(self) -> bool:
-        """Its gradients pass through the shared backbone (an adapter or query tokens)."""
-        return self.adapter is not None or self.queries is not None
+        """Its gradients pass through the shared backbone (an adapter, query tokens, or tokens of its own
+        in an imported policy's prefix)."""
+        return self.adapter is not None or self.queries is not None or getattr(self.head, "trains_through_prefix",
+                                                                                 False)
 
     @property
     def query_vectors(self) -> Tensor | None:
         return None if self.queries is None else self.queries.weight
+
+    def prepare_kwargs(self) -> dict:
+        """What the backbone's `prepare` needs of this tenant: its query tokens' count, or, for an imported
+        policy's expert, its prefix (`PrefixSpec`: cameras, prompt, its own tokens) and state statistics."""
+        if not hasattr(self.head, "prefix_spec"):
+            return {"n_query": self.head_spec.query_tokens}
+        return {"prefix": self.head.prefix_spec(), "state_stats": self._host_stats("state")}
+
+    def _host_stats(self, name: str) -> NormStats:
+        """A host copy of one of the statistics (made once per installed set: reading a device copy for
+        each request would wait for the device)."""
+        stats = self.stats[name]
+        cached = self._host_copies.get(name)
+        if cached is None or cached[0] is not stats:
+            cached = self._host_copies[name] = (stats, stats.to("cpu"))
+        return cached[1]
+
+    def backbone_tokens(self, rows: RowInputs) -> Tensor | None:
+        """This tenant's own vectors inside the shared forward for these rows: its query tokens [Q, D], or
+        an imported policy's prefix tokens [B, n, D] (SmolVLA's projected state), or None."""
+        if hasattr(self.head, "prefix_tokens"):
+            return self.head.prefix_tokens(self._normal_state(rows))
+        return self.query_vectors
 
     @property
     def params(self) -> list[Tensor]:
@@ -286,11 +312,17 @@ class Slot:
             return self.head.loss(x.feature, x.state, x.actions, x.mask, noise=noise)
         return self.head.evaluate(x.feature, x.state, x.actions, x.mask)
 
-    def compute(self, x: FBInputs) -> PendingGrads:
-        """This tenant's gradients on `x`, not applied (see `PendingGrads`); nothing waits for the device."""
+    def compute(self, x: FBInputs, noise: dict | None = None) -> PendingGrads:
+        """This tenant's gradients on `x`, not applied (see `PendingGrads`); nothing waits for the device.
+        `noise`: the loss's draws as given, else drawn from the tenant's generator."""
         rng = self.generator.get_state()
         try:
-            noise = self.draw("loss", x.feature.batch_size) if x.loss is None else {}
+            if noise is not None:
+                noise = host_noise(noise, self.device)
+            elif x.loss is None:
+                noise = self.draw("loss", x.feature.batch_size)
+            else:
+                noise = {}
             loss, metrics, extra = self.objective(x, self.head_forward(x, noise))
             params = self.params
             grads = torch.autograd.grad(loss, params, allow_unused=True)
@@ -365,12 +397,15 @@ class Slot:
         return self.sample_rows(feature, self.check_rows(feature.batch_size, state), deterministic)
 
     @torch.no_grad()
-    def sample_rows(self, feature: VLAFeature, rows: RowInputs, deterministic: bool = False) -> dict:
-        """`sample` on checked rows (`check_rows`)."""
+    def sample_rows(self, feature: VLAFeature, rows: RowInputs, deterministic: bool = False,
+                    noise: dict | None = None) -> dict:
+        """`sample` on checked rows (`check_rows`); `noise`: the call's draws as given (a caller that fixes
+        them, e.g. to compare with a reference), else drawn from the tenant's generator."""
         feature, state_n = self.sample_inputs(feature, rows)
         rng = self.generator.get_state()
         try:
-            noise = self.draw("sample", feature.batch_size, deterministic)
+            noise = host_noise(noise, self.device) if noise is not None else \
+                self.draw("sample", feature.batch_size, deterministic)
             return self.finish_sample(self.head.sample(feature, state_n, deterministic=deterministic, noise=noise))
         except BaseException:
             self.generator.set_state(rng)

@@ -117,7 +117,8 @@ class Client:
 
     def upload_policy_file(self, path: str, name: str | None = None, timeout_s: float = 600.0) -> dict:
         """Upload a policy file (`policy.download()`'s, perhaps from another service holding the same
-        backbone) as `name`: a job spec's ``init_from: NAME`` starts from it."""
+        backbone), or a LeRobot policy checkpoint directory (SmolVLA, π0, π0.5, on a service holding its
+        VLM), as `name`: a job spec's ``init_from: NAME`` starts from it."""
         from vlamux.sdk.uploads import upload
 
         base = os.path.basename(path)

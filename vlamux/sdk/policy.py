@@ -23,11 +23,14 @@ class PolicyClient:
         """``{"id", "source", "name", "head", "policy_version", "created_at"}``."""
         return self._http.get(f"/v1/policies/{self.id}")["policy"]
 
-    def download(self, path: str | None = None, version: int | None = None) -> str:
+    def download(self, path: str | None = None, version: int | None = None, format: str = "vlamux") -> str:
         """Save the policy (`version`: a checkpoint's; default the live one) as a file that
         `vlamux.policy.load(path, backbone=...)` runs with no server; returns its path (default:
-        the name the server gives it, in the current directory)."""
-        return self._http.download(f"/v1/policies/{self.id}/download", path, params={"version": version})
+        the name the server gives it, in the current directory). format="lerobot" (a policy imported
+        from a LeRobot checkpoint): a tar of the LeRobot checkpoint directory, which lerobot's
+        `from_pretrained` and `vlamux.policy.load(DIR, vlm=...)` read once unpacked."""
+        return self._http.download(f"/v1/policies/{self.id}/download", path,
+                                   params={"version": version, "format": None if format == "vlamux" else format})
 
     def versions(self) -> dict:
         """``{"live": N or None, "checkpoints": [...]}``."""

@@ -115,8 +115,8 @@ def lane_priority(role: str, prioritize_inference: bool, own_cores: bool, device
 
 
 def backbone_name(spec: BackboneSpec) -> str:
-    """A backbone's name in a service: a built-in one's preset, an hf one's directory name."""
-    return Path(spec.path).name if spec.kind == "hf" else spec.preset
+    """A backbone's name in a service: a built-in one's preset, an hf (or lerobot) one's directory name."""
+    return Path(spec.path).name if spec.kind in ("hf", "lerobot") else spec.preset
 
 
 def placed_backbones(specs: dict[str, BackboneSpec], device: str, dtype: str) -> dict[str, Backbone]:

@@ -45,12 +45,13 @@ class BackboneSpec:
     layer: int | None = None  # hf: features from this decoder layer's output (None: the last, normed)
     max_layers: int | None = None  # hf: keep the first N decoder layers only (SmolVLA-style truncation)
     image_size: int | None = None  # hf: cameras resized to this square first (bounds their tokens)
+    vlm: str | None = None  # lerobot: the VLM / tokenizer directory the checkpoint (`path`) names by hub id
 
     @property
     def backbone_id(self) -> str:
         """builtin only: an hf backbone's id includes its directory's content hash (`Backbone.backbone_id`)."""
-        if self.kind == "hf":
-            raise ValueError("an hf backbone's id is known once its directory is read: build it and ask it")
+        if self.kind in ("hf", "lerobot"):
+            raise ValueError(f"a {self.kind} backbone's id is known once its files are read: build it and ask it")
         if self.weights:
             return f"{self.kind}-{self.preset}@{Path(self.weights).name}"
         return f"{self.kind}-{self.preset}-seed{self.seed}"
@@ -97,9 +98,21 @@ def _build_hf(spec: BackboneSpec, dtype: torch.dtype) -> Backbone:
     return load_hf_backbone(spec, dtype)
 
 
-def spec_from_arg(value: str, **hf_options) -> BackboneSpec:
+def spec_from_arg(value: str, vlm: str | None = None, **hf_options) -> BackboneSpec:
     """A backbone named on a command line: a built-in preset ("tiny"), shipped weights
-    ("tiny-tabletop"), or a model directory (an hf VLM)."""
+    ("tiny-tabletop"), a model directory (an hf VLM), or "lerobot:CKPT_DIR" (a LeRobot checkpoint's VLM,
+    with `vlm` the directory of the VLM/tokenizer files it names by hub id)."""
+    if value.startswith("lerobot:"):
+        from vlamux.model.vla.checkpoint import LeRobotCheckpoint
+
+        path = Path(value.removeprefix("lerobot:")).expanduser()
+        LeRobotCheckpoint.read_config(path)  # a clear error now, not once the services start
+        if vlm is None or not Path(vlm).expanduser().is_dir():
+            from vlamux.model.vla.checkpoint import named_vlm
+
+            raise ValueError(f"backbone {value!r}: give --vlm DIR, the local directory of {named_vlm(path)!r} (the "
+                             f"hub repository the checkpoint names for its VLM config and tokenizer)")
+        return BackboneSpec(kind="lerobot", path=str(path), vlm=str(Path(vlm).expanduser()))
     if value in PRESETS:
         return BackboneSpec(preset=value)
     if value in SHIPPED:
@@ -120,8 +133,15 @@ def build_backbone(spec: BackboneSpec | None = None, device: str | torch.device 
     elif spec.kind == "hf":  # loaded in its dtype (a bf16 checkpoint never passes through fp32)
         b = _build_hf(spec, dtype).to(device=device).freeze()
         digest = b.model_dir.identity(full=True)
+    elif spec.kind == "lerobot":  # a LeRobot checkpoint's VLM: digested as the checkpoint holds it
+        from vlamux.model.backbones.lerobot import LeRobotBackbone
+
+        if not spec.path:
+            raise ValueError("backbone spec: kind 'lerobot' needs path (a LeRobot checkpoint directory) and vlm")
+        b = LeRobotBackbone(spec.path, spec.vlm).to(device=device, dtype=dtype).freeze()
+        digest = b.content_sha256
     else:
-        raise ValueError(f"unknown backbone kind {spec.kind!r}; choose one of ['builtin', 'hf']")
+        raise ValueError(f"unknown backbone kind {spec.kind!r}; choose one of ['builtin', 'hf', 'lerobot']")
     b.content_sha256 = digest  # what a downloaded policy names, so that it runs on this backbone only
     return b
 

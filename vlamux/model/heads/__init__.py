@@ -8,13 +8,18 @@ from vlamux.model.heads.flow import FlowHead
 from vlamux.model.heads.gaussian import GaussianHead
 from vlamux.model.heads.l1_chunk import L1ChunkHead
 from vlamux.model.heads.layers import init_linear
+from vlamux.model.heads.lerobot import LeRobotHead
 
 HEADS: dict[str, type[ActionHead]] = {h.kind: h for h in (L1ChunkHead, FlowHead, GaussianHead, BinsHead)}
+# heads a spec cannot ask for by hand: made by importing a pretrained policy (its expert), with its backbone
+IMPORTED_HEADS = {LeRobotHead.kind: LeRobotHead}
 
 __all__ = ["ActionHead", "HeadSpec", "HEADS", "build_head"]
 
 
 def build_head(spec: HeadSpec, feature_dim: int) -> ActionHead:
+    if spec.kind in IMPORTED_HEADS:  # its weights are loaded next: no initialisation of ours
+        return IMPORTED_HEADS[spec.kind](spec, feature_dim)
     if spec.kind not in HEADS:
         raise ValueError(f"head spec: unknown kind {spec.kind!r}; choose one of {sorted(HEADS)}")
     head = HEADS[spec.kind](spec, feature_dim)

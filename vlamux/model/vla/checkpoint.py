@@ -66,6 +66,18 @@ class LeRobotCheckpoint:
                                     f"{family} checkpoint")
         return ckpt
 
+    @staticmethod
+    def read_config(path) -> dict:
+        """Only the checkpoint's config.json (no tensors read), checked to be a family vlamux imports."""
+        path = Path(path)
+        if not (path / CONFIG).is_file():
+            raise InvalidInputError(f"{path.name}: not a LeRobot checkpoint directory (no {CONFIG})")
+        config = _json(path / CONFIG)
+        if config.get("type") not in FAMILIES:
+            raise InvalidInputError(f"{path.name}/{CONFIG}: type {config.get('type')!r} is not one vlamux imports "
+                                    f"({', '.join(FAMILIES)})")
+        return config
+
     # ---- the split ----------------------------------------------------------------------------------
     def vlm_tensors(self) -> dict[str, Tensor]:
         """The VLM's tensors, named without the family's VLM prefix."""
@@ -84,10 +96,7 @@ class LeRobotCheckpoint:
     # ---- what the processors say --------------------------------------------------------------------
     def vlm_hub_id(self) -> str:
         """What the checkpoint names its VLM (SmolVLA) or tokenizer (π0, π0.5) by: a hub id."""
-        if self.family == "smolvla":
-            return str(self.config.get("vlm_model_name"))
-        step = self.pre_step("tokenizer_processor")
-        return str(step["config"].get("tokenizer_name")) if step else "google/paligemma-3b-pt-224"
+        return _hub_id(self.config, self.pre)
 
     def pre_step(self, name: str) -> dict | None:
         return next((s for s in self.pre.get("steps", []) if s.get("registry_name") == name), None)
@@ -118,6 +127,27 @@ class LeRobotCheckpoint:
         if not f.is_file():
             raise InvalidInputError(f"{self.path.name}/{step['state_file']}: missing (the normalizer's statistics)")
         return load_file(str(f))
+
+
+def named_vlm(path) -> str:
+    """The hub id a checkpoint directory names for its VLM / tokenizer (its JSON files only read)."""
+    path = Path(path)
+    return _hub_id(LeRobotCheckpoint.read_config(path), _json(path / PRE) if (path / PRE).is_file() else {})
+
+
+def _hub_id(config: dict, pre: dict) -> str:
+    if config.get("type") == "smolvla":
+        return str(config.get("vlm_model_name"))
+    step = next((s for s in pre.get("steps", []) if s.get("registry_name") == "tokenizer_processor"), None)
+    return str(step["config"].get("tokenizer_name")) if step else "google/paligemma-3b-pt-224"
+
+
+def is_lerobot_checkpoint(path) -> bool:
+    """Whether `path` is a directory lerobot wrote for a policy vlamux imports (by its config's type)."""
+    try:
+        return isinstance(LeRobotCheckpoint.read_config(path), dict)
+    except (InvalidInputError, OSError, TypeError):
+        return False
 
 
 def _json(path: Path) -> dict:

@@ -8,6 +8,7 @@ Frames come as vlamux carries them (uint8 [B, 3, H, W], each camera named as the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,20 @@ from vlamux.errors import InvalidInputError
 from vlamux.model.vla.checkpoint import POST, LeRobotCheckpoint
 
 EPS = 1e-8  # lerobot's normalizer
+
+
+@dataclass(frozen=True)
+class PrefixSpec:
+    """What a LeRobot backbone needs of a tenant to make its rows' prefix: the checkpoint's cameras in
+    order, the prompt's length and padding, its family (π0.5 writes the state's bins in the prompt)
+    and the number of tokens of its own it adds at the prefix's end (SmolVLA's state token)."""
+
+    family: str
+    cameras: tuple[str, ...]
+    max_length: int
+    padding: str
+    own_tokens: int
+    max_state: int = 32  # the width the state is zero-padded to before π0.5 bins it
 
 
 class Processor:
@@ -59,34 +74,14 @@ class Processor:
         missing = [c for c in self.cameras if c not in frames]
         if missing:
             raise InvalidInputError(f"obs.images: the policy reads cameras {self.cameras}; missing {missing}")
-        return [self._image(frames[c].to(torch.float32) / 255.0) for c in self.cameras]
-
-    def _image(self, x: Tensor) -> Tensor:
-        th, tw = self.image_hw
-        h, w = x.shape[-2:]
-        if self.family == "smolvla":  # always resized; padded on the left and top with 0
-            ratio = max(w / tw, h / th)
-            nh, nw = int(h / ratio), int(w / ratio)
-            x = F.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False)
-            x = F.pad(x, (tw - nw, 0, th - nh, 0), value=0.0)
-        elif (h, w) != (th, tw):  # π0: resized when the size differs, centred, padded with -1 (before x2-1)
-            ratio = max(w / tw, h / th)
-            nh, nw = int(h / ratio), int(w / ratio)
-            x = F.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False).clamp(-1.0, 1.0)
-            top, left = (th - nh) // 2, (tw - nw) // 2
-            x = F.pad(x, (left, tw - nw - left, top, th - nh - top), value=-1.0)
-        return x * 2.0 - 1.0
+        return [vlm_image(frames[c].to(torch.float32) / 255.0, self.family, self.image_hw) for c in self.cameras]
 
     # ---- language -----------------------------------------------------------------------------------
     def prompts(self, tasks: list[str], state: Tensor | None) -> list[str]:
-        """The text each row's tokens come from: the task and a newline (SmolVLA, π0), or π0.5's
-        "Task: ..., State: <bins>;\\nAction: " with the normalised state's 256 bins."""
+        """The text each row's tokens come from (`prompts`), from the state in the robot's units."""
         if self.family != "pi05":
-            return [t if t.endswith("\n") else t + "\n" for t in tasks]
-        s = self.pad(self.normalize_state(state), self.max_state).double().cpu().numpy()
-        bins = np.digitize(s, np.linspace(-1, 1, 257)[:-1]) - 1
-        return [f"Task: {t.strip().replace('_', ' ').replace(chr(10), ' ')}, State: {' '.join(map(str, row))};\nAction: "
-                for t, row in zip(tasks, bins.tolist())]
+            return prompts(tasks, self.family, None)
+        return prompts(tasks, self.family, self.pad(self.normalize_state(state), self.max_state))
 
     def tokens(self, prompts: list[str]) -> tuple[Tensor, Tensor]:
         enc = self.tokenizer(prompts, max_length=self.max_length, truncation=True, padding=self.padding,
@@ -128,3 +123,35 @@ class Processor:
     def pad(x: Tensor, n: int) -> Tensor:
         """Zero-padded along the last dimension to `n`."""
         return F.pad(x, (0, n - x.shape[-1])) if x.shape[-1] < n else x
+
+
+def vlm_image(x: Tensor, family: str, hw: tuple[int, int]) -> Tensor:
+    """Frames [B, 3, H, W] in [0, 1] -> the VLM's size `hw` in [-1, 1], resized with padding as the
+    family does."""
+    th, tw = hw
+    h, w = x.shape[-2:]
+    if family == "smolvla":  # always resized; padded on the left and top with 0
+        ratio = max(w / tw, h / th)
+        nh, nw = int(h / ratio), int(w / ratio)
+        x = F.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False)
+        x = F.pad(x, (tw - nw, 0, th - nh, 0), value=0.0)
+    elif (h, w) != (th, tw):  # π0: resized when the size differs, centred, padded with -1 (before x2-1)
+        ratio = max(w / tw, h / th)
+        nh, nw = int(h / ratio), int(w / ratio)
+        x = F.interpolate(x, size=(nh, nw), mode="bilinear", align_corners=False).clamp(-1.0, 1.0)
+        top, left = (th - nh) // 2, (tw - nw) // 2
+        x = F.pad(x, (left, tw - nw - left, top, th - nh - top), value=-1.0)
+    return x * 2.0 - 1.0
+
+
+def prompts(tasks: list[str], family: str, state: Tensor | None) -> list[str]:
+    """The text each row's tokens come from: the task and a newline (SmolVLA, π0), or π0.5's
+    "Task: ..., State: <bins>;\\nAction: " from the normalised state `state` (a host tensor, padded to
+    the policy's state width) in 256 bins over [-1, 1]."""
+    if family != "pi05":
+        return [t if t.endswith("\n") else t + "\n" for t in tasks]
+    if state is None:
+        raise InvalidInputError("state: a π0.5 policy writes the state into its prompt; the observation has none")
+    bins = np.digitize(state.double().numpy(), np.linspace(-1, 1, 257)[:-1]) - 1
+    return [f"Task: {t.strip().replace('_', ' ').replace(chr(10), ' ')}, State: {' '.join(map(str, row))};\nAction: "
+            for t, row in zip(tasks, bins.tolist())]

@@ -40,6 +40,11 @@ class PrefixKV:
     def select(self, rows: slice) -> PrefixKV:
         return PrefixKV([k[rows] for k in self.keys], [v[rows] for v in self.values], self.pad[rows])
 
+    def to(self, dtype: torch.dtype) -> PrefixKV:
+        if not self.keys or self.keys[0].dtype == dtype:
+            return self
+        return PrefixKV([k.to(dtype) for k in self.keys], [v.to(dtype) for v in self.values], self.pad)
+
 
 class VLM(nn.Module):
     """What the experts need of a VLM: its embeddings and its language layers' shape."""
@@ -161,9 +166,10 @@ def build_vlm(family: str, tensors: dict[str, Tensor], vlm_dir: Path | None) -> 
     return vlm.eval().requires_grad_(False)
 
 
-def prefix_kv(vlm: VLM, tokens: Tensor, pad: Tensor, att: Tensor) -> PrefixKV:
+def prefix_kv(vlm: VLM, tokens: Tensor, pad: Tensor, att: Tensor, hidden: bool = False):
     """Run the prefix `tokens` [B, Lp, D] (real where `pad`, blocks as `att`: lerobot's masks) through
-    the language layers; each layer's keys after RoPE and its values. Positions count real tokens."""
+    the language layers; each layer's keys after RoPE and its values. Positions count real tokens.
+    hidden: also the last layer's output [B, Lp, D] (what a head reading hidden states takes)."""
     positions = pad.long().cumsum(dim=1) - 1
     mask = att_2d_masks(pad, att)
     x, keys, values = tokens, [], []
@@ -177,4 +183,5 @@ def prefix_kv(vlm: VLM, tokens: Tensor, pad: Tensor, att: Tensor) -> PrefixKV:
         values.append(v)
         x = x + a.o_proj(attention(q, k, v, mask))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return PrefixKV(keys, values, pad)
+    kv = PrefixKV(keys, values, pad)
+    return (kv, x) if hidden else kv

@@ -1,0 +1,134 @@
+"""An imported LeRobot policy's action expert as a tenant's head (kind "lerobot"): SmolVLA's, π0's or
+π0.5's expert (vlamux.model.vla.experts), reading the prefix's per-layer keys and values a LeRobot
+backbone puts in the feature (`VLAFeature.kv`), sampling by lerobot's flow (noise at t = 1 to actions
+at t = 0, ten Euler steps) and trained by its flow-matching loss.
+
+The spec's options carry everything that shapes the expert (`expert_dims`) and what the tenant's rows
+need before the shared forward (`prefix_spec`: its cameras, its prompt's length and padding); the slot
+normalises state and actions with the checkpoint's statistics (mean/std, or π0.5's quantiles as a
+min/max over q01..q99: the same arithmetic).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vlamux.errors import InvalidInputError
+from vlamux.model.heads.base import HeadSpec
+from vlamux.model.vla.experts import build_expert
+from vlamux.model.vla.flow import loss as flow_loss
+from vlamux.model.vla.flow import sample as flow_sample
+from vlamux.model.vla.processor import PrefixSpec
+
+# what a spec's options must hold, besides the expert's dims (vlamux.model.vla.experts.expert_dims)
+PREFIX_OPTIONS = ("cameras", "max_length", "padding")
+BETA_ALPHA, T_SCALE, T_OFFSET = 1.5, 0.999, 0.001  # lerobot's flow-time draw: Beta(1.5, 1) * 0.999 + 0.001
+
+
+def import_spec(ckpt_dir) -> HeadSpec:
+    """The head spec that stands for "this tenant's head is the expert of the LeRobot checkpoint at
+    `ckpt_dir`" (a job's `init_from`): its shapes from the checkpoint's config, the checkpoint's path in
+    the options. Creating a slot from it imports the checkpoint (`ModelRunner.create_slot`); the slot's
+    own spec is then the full one (`vlamux.model.vla.tenant.head_spec`)."""
+    from vlamux.model.vla.checkpoint import LeRobotCheckpoint
+
+    cfg = LeRobotCheckpoint.read_config(ckpt_dir)
+    feats = cfg.get("input_features", {})
+    state = feats.get("observation.state", {}).get("shape", [0])[0]
+    return HeadSpec("lerobot", action_dim=int(cfg["output_features"]["action"]["shape"][0]),
+                    horizon=int(cfg.get("chunk_size", 50)), state_dim=int(state), instruction_cond="none",
+                    options={"family": cfg["type"], "checkpoint": str(ckpt_dir),
+                             "cameras": [k.removeprefix("observation.images.") for k, v in feats.items()
+                                         if v.get("type") == "VISUAL"]})
+
+
+def checkpoint_of(spec: HeadSpec) -> str | None:
+    """The checkpoint an import spec (`import_spec`) names; None for any other spec."""
+    return spec.options.get("checkpoint") if spec.kind == "lerobot" else None
+
+
+class LeRobotHead(nn.Module):
+    kind = "lerobot"
+    INIT_OPTIONS: tuple = ()
+    DEFAULT_OPTIONS: dict = {}  # none a user sets: every option comes from the imported checkpoint
+    HAS_VALUE = False
+    FUSABLE = False  # experts run one tenant at a time (a stacked call is a later step)
+
+    def __init__(self, spec: HeadSpec, feature_dim: int):
+        super().__init__()
+        o = spec.options
+        missing = [k for k in ("family", "width", "layers", "action_in", "chunk", *PREFIX_OPTIONS) if k not in o]
+        if missing:
+            raise ValueError(f"head spec: a lerobot head's options need {missing} (made by importing a checkpoint)")
+        self.spec, self.options = spec, dict(o)
+        self.family = o["family"]
+        self.ACTION_NORM = "min_max" if self.family == "pi05" else "mean_std"  # π0.5: quantiles q01..q99
+        self.expert = build_expert(dict(o))
+        self.state_in = int(o.get("state_in", o["action_in"]))
+        self.steps = int(o.get("steps", 10))
+
+    @property
+    def step_pos(self) -> Tensor:  # what callers read the head's dtype and device from
+        return self.expert.action_in_proj.weight
+
+    @property
+    def trains_through_prefix(self) -> bool:
+        """Its own prefix token (SmolVLA's state) makes gradients pass through the shared VLM."""
+        return self.family == "smolvla"
+
+    def prefix_spec(self) -> PrefixSpec:
+        o = self.options
+        return PrefixSpec(self.family, tuple(o["cameras"]), int(o["max_length"]), str(o["padding"]),
+                          1 if self.family == "smolvla" else 0, int(o.get("max_state", 32)))
+
+    def prefix_tokens(self, state: Tensor | None) -> Tensor | None:
+        """This tenant's tokens at its rows' prefix end [B, n, D] (SmolVLA: the projected state)."""
+        if self.family != "smolvla":
+            return None
+        return self.expert.state_token(self._state(state))
+
+    def _state(self, state: Tensor | None) -> Tensor | None:
+        return None if state is None else F.pad(state, (0, self.state_in - state.shape[-1]))
+
+    def _kv(self, feature):
+        if getattr(feature, "kv", None) is None:
+            raise InvalidInputError("head kind 'lerobot' reads a LeRobot backbone's prefix keys and values; this "
+                                    f"backbone ({feature.meta.backbone_id!r}) gives none")
+        return feature.kv
+
+    # ---- randomness ---------------------------------------------------------------------------------
+    def draw(self, purpose: str, batch: int, generator: torch.Generator, deterministic: bool = False) -> dict:
+        shape = (batch, int(self.options["chunk"]), int(self.options["action_in"]))
+        if purpose == "loss":  # the noise, then the flow time: Beta(1.5, 1) is u^(1/1.5) (its CDF is t^1.5)
+            noise = torch.randn(shape, generator=generator)
+            u = torch.rand(batch, generator=generator)
+            return {"noise": noise, "t": u.pow(1.0 / BETA_ALPHA) * T_SCALE + T_OFFSET}
+        return {"x0": torch.zeros(shape) if deterministic else torch.randn(shape, generator=generator)}
+
+    # ---- the head's maths -----------------------------------------------------------------------------
+    def loss(self, feature, state, actions, action_mask, generator=None, noise=None):
+        """lerobot's flow-matching loss on normalised `actions` [B, T, A] (padded to the expert's width;
+        SmolVLA averages over every padded dim, π0 and π0.5 over the first A, as lerobot does; like
+        lerobot it does not mask padded steps)."""
+        if noise is None:
+            noise = {k: v.to(actions.device) for k, v in self.draw("loss", actions.shape[0], generator).items()}
+        a = F.pad(actions, (0, int(self.options["action_in"]) - actions.shape[-1]))
+        dims = None if self.family == "smolvla" else actions.shape[-1]
+        value = flow_loss(self.expert, self._kv(feature), a, noise["noise"].to(a.dtype), noise["t"].to(a.dtype),
+                          self._state(state), dims)
+        return value, {"velocity_mse": value.detach()}
+
+    def sample(self, feature, state, generator=None, deterministic=False, noise=None):
+        """Normalised actions [B, T, A] from noise `x0` [B, T, expert width] (zeros when deterministic)."""
+        kv = self._kv(feature)
+        if noise is None:
+            noise = self.draw("sample", kv.pad.shape[0], generator, deterministic)
+        x = flow_sample(self.expert, kv, noise["x0"].to(self.step_pos.device, torch.float32), self._state(state),
+                        self.steps)
+        return {"actions": x[..., :self.spec.action_dim]}
+
+    def evaluate(self, feature, state, actions, action_mask):
+        raise InvalidInputError("head kind 'lerobot' has no action log-probability yet: RL on imported flow experts "
+                                "is not available (SFT, evaluation and serving are)")
