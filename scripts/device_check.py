@@ -19,7 +19,7 @@ backend MuJoCo will use is probed in a subprocess (vlamux.envs.render.configure_
 context) and printed: EGL, or why not. Where rendering cannot work those steps are skipped with that
 reason (the RL test deselected) instead of failing one after another; the others inherit the choice.
 
-Out: group_batching.json (the base, xl and hf runs merged), fused_heads.json, lora_groups.json,
+Out: group_batching.json (the base, vla and hf runs merged), fused_heads.json, lora_groups.json,
 inference_serving.json, async_rl.json, multi_tenant.json, summary.json, device_check.log: eight files,
 what a device call brings back at most. docs/GPU.md says how to run it on the lent machine (wheels and
 GL loaders carried with the tree).

@@ -31,6 +31,7 @@ DRY_GL_PROBE_S = 20.0
 SKIP_UNDER_S = 15.0  # a step is not started with less of the budget left
 
 GRID_BENCHES = ("bench/group_batching.py", "bench/fused_heads.py", "bench/lora_groups.py")
+VLA_BENCH = "bench/vla_groups.py"
 MODES = ("inference", "train")
 
 
@@ -104,11 +105,13 @@ def steps() -> list[Step]:
               "32", "--demos", "2", "--demo-cameras", "image", "--placement", "shared", *cpu], 45, 200,
              "tiny backbone, 3 RL + 1 SFT tenants: one after another (fresh services each) vs together",
              renders=True),
-        # xl and hf uncapped: a calibration probe would take seconds of their limit before the first cell
-        Step("group_batching_xl", [gb, "--preset", "xl", "--grid", "8:1,1:1,8:4", "--repeats", "3", "--no-cap",
-                                   *quick, *gpu],
-             [gb, "--preset", "tiny", "--grid", "2:1", "--repeats", "1", *none, *cpu], 30, 50,
-             "xl preset (1.0B, 12x base); 32 rows at most (the 16x16 cell alone took about 18 s)"),
+        # imported VLA tenants at SmolVLA's published size (random weights, bf16 on disk: 0.9 GB): the xl
+        # preset's place (a π0 of 3.3B does not fit beside the rest: drawing, writing and reading its 6.6 GB
+        # and importing 8 experts of 0.3B is about 90 s; `bench/vla_groups.py --models pi0:pi0-3b` on its own)
+        Step("group_batching_vla", ["bench/vla_groups.py", "--models", "smolvla:smolvla-450m", "--grid", "8:1,1:1",
+                            "--repeats", "3", *quick, *gpu],
+             ["bench/vla_groups.py", "--models", "smolvla:tiny", "--grid", "2:1", "--repeats", "1", *none, *cpu],
+             30, 40, "SmolVLA-shaped (450M, random): 8 imported tenants' prefixes in one VLM forward, experts fused"),
         # a Qwen2.5-VL of the 3B model's shape, random weights, made on the GPU in bf16 (7 GB on disk)
         Step("hf_init", ["-m", "vlamux.cli", "backbone", "init", "--family", "qwen2_5_vl", "--size", "3b", "--out",
                          "{model}", "--overwrite", "--dtype", "bfloat16", "--device", "cuda"],
@@ -122,7 +125,7 @@ def steps() -> list[Step]:
     ]
 
 
-MERGED = ("group_batching_base", "group_batching_xl", "group_batching_hf")  # into group_batching.json
+MERGED = ("group_batching_base", "group_batching_vla", "group_batching_hf")  # into group_batching.json
 
 
 def _arg(argv: list[str], flag: str, default: str | None = None) -> str | None:
@@ -134,9 +137,10 @@ def planned_cells(step: Step, dry: bool) -> list[str]:
     argv = step.dry if dry else step.gpu
     script = argv[0]
     placements = ["shared", "split"] if _arg(argv, "--placement", "both") == "both" else [_arg(argv, "--placement")]
-    if script in GRID_BENCHES:
+    if script in GRID_BENCHES or script == VLA_BENCH:
         grid = [tuple(int(x) for x in part.split(":")) for part in _arg(argv, "--grid").split(",")]
-        return [f"{mode} {n}x{b}" for n, b in grid for mode in MODES]
+        models = [f"{m} " for m in _arg(argv, "--models").split(",")] if script == VLA_BENCH else [""]
+        return [f"{m}{mode} {n}x{b}" for m in models for n, b in grid for mode in MODES]
     if script == "bench/inference_serving.py":
         return [f"K={k} {part}" for k in _arg(argv, "--sessions").split(",")
                 for part in ("limit", "baseline", "grouped")]
@@ -152,7 +156,7 @@ def describe(step: Step, dry: bool) -> str:
     argv = step.dry if dry else step.gpu
     cells = planned_cells(step, dry)
     script = argv[0]
-    if script in GRID_BENCHES:
+    if script in GRID_BENCHES or script == VLA_BENCH:
         grid = f"N:b {_arg(argv, '--grid')} x {', '.join(MODES)} = {len(cells)} cells, {_arg(argv, '--repeats')} " \
                f"repeats, >= {_arg(argv, '--min-seconds')} s a contender"
     elif script == "bench/inference_serving.py":

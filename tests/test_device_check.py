@@ -45,7 +45,7 @@ def test_device_check_dry_run(tmp_path):
     assert "tests/test_cuda.py::test_rl_and_evaluation_run_with_the_services_on_cuda" in log  # rendering works here
     assert summary["missing_cells"] == {}
     merged = json.loads((out / "group_batching.json").read_text())
-    assert set(merged) == {"base", "xl", "hf"} and all(merged.values())
+    assert set(merged) == {"base", "vla", "hf"} and all(merged.values())
     assert {c["backbone"] for c in merged["hf"]["cells"]} == {"qwen2_5_vl"}  # the random hf directory the check made
     results = {f"group_batching_{k}": v for k, v in merged.items()}
     for name in ("fused_heads", "lora_groups", "inference_serving", "async_rl", "multi_tenant"):
@@ -61,7 +61,7 @@ def test_device_check_dry_run(tmp_path):
         else:
             placed = (result.get("placement") or result.get("config"))["dtype"]
         assert placed == "bfloat16", name
-    for name in ("group_batching_base", "group_batching_xl", "group_batching_hf"):
+    for name in ("group_batching_base", "group_batching_vla", "group_batching_hf"):
         gb = summary[name]["inference"]
         assert gb["grouped_vs_serial"] > 0 and gb["limit"] > 0
     assert summary["fused_heads"]["inference"]["speedup"] > 0
@@ -98,8 +98,8 @@ def test_the_plan_fits_the_lease_with_a_full_rerun():
     for r in p["steps"]:  # every benchmark's grid stated, and its planned cells named
         assert r["cells"] and r["limit_s"] > 0
         assert bool(r["planned"]) == steps[r["name"]].result, r["name"]
-    xl = next(r for r in p["steps"] if r["name"] == "group_batching_xl")
-    assert "train 8x1" in xl["planned"] and not any(k.endswith("16x16") for k in xl["planned"])
+    vla = next(r for r in p["steps"] if r["name"] == "group_batching_vla")
+    assert "smolvla:smolvla-450m train 8x1" in vla["planned"] and len(vla["planned"]) == 4
     assert "--scheduler-overhead" not in steps["inference_serving"].gpu  # auto: the CPU-only part skipped on a GPU
     assert {n for n, s in steps.items() if s.renders or s.render_tests} == {"tests", "async_rl", "multi_tenant"}
 
@@ -109,10 +109,10 @@ def test_plan_is_printed_without_a_gpu():
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for name in ("gl_probe", "tests", "group_batching_base", "group_batching_xl", "group_batching_hf"):
+    for name in ("gl_probe", "tests", "group_batching_base", "group_batching_vla", "group_batching_hf"):
         assert f"  {name} " in out, name
     assert "sum of limits" in out and "<= budget 315 s" in out
-    assert "N:b 8:1,1:1,8:4" in out  # the xl grid, stated
+    assert "N:b 8:1,1:1,8:4" in out  # the hf grid, stated
     assert "the lease: machine start 120" in out and "<= 900 s" in out
 
 

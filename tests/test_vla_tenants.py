@@ -115,15 +115,27 @@ def test_sft_step_lowers_loss_and_leaves_the_neighbour(tmp_path):
 
 
 def test_memory_is_one_vlm_plus_each_expert(tmp_path):
+    """N imported tenants: one VLM (the runner's one backbone) and N experts with their optimizer state,
+    as each slot reports it (what the services' metrics show per tenant)."""
+    ref, meta = reference("smolvla")
     runner = runner_for("smolvla")
-    _, meta = reference("smolvla")
     slots = [runner.import_lerobot(f"t{i}", other_expert(tmp_path, seed=i)) for i in range(3)]
+    obs = observation(ref, meta, "train")
+    runner.execute([ForwardBackward(s.tenant, obs, ref["train.action"]) for s in slots])
+    for s in slots:
+        runner.optim_step(s.tenant).unwrap()
     expert_bytes = meta["n_params"]["expert"] * 4
     for s in slots:
-        assert s.memory_bytes()["head"] == expert_bytes
-    backbone = next(iter(runner.backbones.values()))
+        mem = s.memory_bytes()
+        assert mem["head"] == expert_bytes and mem["adapter"] == mem["queries"] == 0
+        # AdamW: two moments per parameter, and a step counter per tensor
+        n_tensors = len(list(s.head.parameters()))
+        assert mem["optimizer"] == 2 * expert_bytes + 4 * n_tensors
+    [backbone] = runner.backbones.values()
+    assert all(s.backbone_id == backbone.backbone_id for s in slots)
     vlm_bytes = sum(p.numel() * p.element_size() for p in backbone.vlm.parameters())
     assert vlm_bytes <= meta["n_params"]["vlm"] * 4  # one VLM (its tied lm_head is not kept)
+    assert backbone.describe()["resident_bytes"] >= vlm_bytes
 
 
 @pytest.mark.parametrize("family", ["smolvla", "pi05"])
@@ -155,3 +167,55 @@ def test_standalone_policy_and_its_lerobot_export(tmp_path, family):
     again = VLAPolicy(out, VLM_DIR[family]).act(obs["images"], obs["instructions"], ref["batch1.observation.state"],
                                                 ref["batch1.noise"])
     assert (again - trained).abs().max() <= TOL
+
+
+@pytest.mark.parametrize("family", ["smolvla", "pi0", "pi05"])
+def test_fused_experts_equal_one_by_one(tmp_path, family):
+    """Three imported tenants' experts as one fused call (stacked parameters, each on its own rows and
+    prefix, of different batch sizes) equal the per-tenant calls: samples, and for π0/π0.5 (whose
+    gradients stop at the expert) training losses and steps; SmolVLA trains through its prefix token,
+    one tenant at a time (a joint call), and is checked for sampling."""
+    ref, meta = reference(family)
+    ckpts = [FIX / family] + [other_expert(tmp_path, family, seed) for seed in (5, 6)]
+    obs = [observation(ref, meta, b) for b in ("batch0", "batch1", "train")]
+    runs = {}
+    for fuse in (True, False):
+        backbone = build_backbone(BackboneSpec(kind="lerobot", path=str(FIX / family), vlm=str(VLM_DIR[family])))
+        runner = ModelRunner(backbone, fuse_heads=fuse)
+        for i, c in enumerate(ckpts):
+            runner.import_lerobot(f"t{i}", c, seed=i)
+        samples = runner.execute([Sample(f"t{i}", o) for i, o in enumerate(obs)])
+        losses = []
+        if family != "smolvla":
+            for _ in range(3):
+                out = runner.execute([ForwardBackward(f"t{i}", o, torch.randn(o.batch_size, 50, 7,
+                                                                              generator=torch.Generator().manual_seed(i)))
+                                      for i, o in enumerate(obs)])
+                losses.append([r.unwrap()["loss"] for r in out])
+                for i in range(3):
+                    runner.optim_step(f"t{i}").unwrap()
+        runs[fuse] = ([r.unwrap()["actions"] for r in samples], losses,
+                      [runner.slot(f"t{i}").head.expert.action_out_proj.weight.detach().clone() for i in range(3)],
+                      runner.fused.calls if fuse else 0)
+    (a_f, l_f, w_f, calls), (a_s, l_s, w_s, _) = runs[True], runs[False]
+    assert calls >= 1  # the fused path ran
+    for x, y in zip(a_f, a_s):
+        assert x.shape == y.shape and (x - y).abs().max() <= 1e-5
+    for x, y in zip(l_f, l_s):
+        assert max(abs(p - q) for p, q in zip(x, y)) <= 1e-5
+    for x, y in zip(w_f, w_s):
+        assert (x - y).abs().max() <= 1e-5
+
+
+def test_imported_tenants_on_a_bf16_backbone():
+    """The VLM in bfloat16 (a GPU's default; here on the CPU, under the lane's autocast for training):
+    actions near fp32's, a training step finite."""
+    ref, meta = reference("pi0")
+    runner = ModelRunner(build_backbone(BackboneSpec(kind="lerobot", path=str(FIX / "pi0"), vlm=str(VLM_DIR["pi0"])),
+                                        dtype=torch.bfloat16))
+    runner.import_lerobot("a", FIX / "pi0")
+    [r] = runner.execute([Sample("a", observation(ref, meta, "batch1"), noise=ref["batch1.noise"])])
+    assert (r.unwrap()["actions"] - ref["batch1.action"]).abs().max() < 0.1  # bf16 prefix, fp32 expert
+    [r] = runner.execute([ForwardBackward("a", observation(ref, meta, "train"), ref["train.action"])])
+    assert torch.isfinite(torch.tensor(r.unwrap()["loss"]))
+    runner.optim_step("a").unwrap()

@@ -35,6 +35,10 @@ class _Collector:
                                 "hardware: its groups hold at most this many rows", labels=["service", "backbone"])
         curve = GaugeMetricFamily("vlamux_backbone_forward_seconds", "The backbone's measured forward time by rows "
                                   "(the curve the cap comes from)", labels=["service", "backbone", "rows"])
+        tenant_mem = GaugeMetricFamily("vlamux_tenant_memory_bytes", "What each tenant's slot costs a model service "
+                                       "(its head or imported expert, adapter, query tokens, optimizer state): "
+                                       "the shared backbone is counted once, in vlamux_device_memory_bytes",
+                                       labels=["service", "tenant", "part"])
         pools_seen: dict = {}
         queues = [("training", "training", m["training"])] + [("inference", n, v) for n, v in m["inference"].items()]
         for queue, name, svc in queues:
@@ -53,6 +57,9 @@ class _Collector:
             util.add_metric([name], svc["utilization"])
             busy.add_metric([name], svc.get("busy_s", 0.0))
             slots.add_metric([name], svc.get("tenants", 0))
+            for tenant, parts in (svc.get("tenant_memory") or {}).items():
+                for part, n in parts.items():
+                    tenant_mem.add_metric([name, tenant, part], n)
             if "device" in svc:
                 info.add_metric([name, svc["device"], svc["dtype"], str(svc.get("fuse_heads", False)).lower()], 1)
             mem, device = svc.get("memory"), svc.get("device", "cpu")
@@ -67,7 +74,7 @@ class _Collector:
         env = m["environment"]
         util.add_metric(["environment"], env["utilization"])
         busy.add_metric(["environment"], env["busy_s"])
-        yield from (depth, wait, rows, reqs, util, busy, groups, slots, memory, info, cap, curve)
+        yield from (depth, wait, rows, reqs, util, busy, groups, slots, tenant_mem, memory, info, cap, curve)
         sessions = GaugeMetricFamily("vlamux_env_sessions", "Open simulator sessions")
         sessions.add_metric([], env["open_sessions"])
         yield sessions

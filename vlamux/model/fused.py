@@ -179,8 +179,15 @@ def stack_bucket(features: list[VLAFeature], states: list, noises: list[dict]) -
 
     first = features[0]
     layers = tuple(stack(lambda f, k=k: f.layers[k]) for k in range(len(first.layers)))
+    kv = None
+    if first.kv is not None:  # an imported expert's prefix keys and values, padded like the tokens
+        from vlamux.model.vla.vlm import PrefixKV
+
+        kv = PrefixKV([stack(lambda f, k=k: f.kv.keys[k]) for k in range(len(first.kv.keys))],
+                      [stack(lambda f, k=k: f.kv.values[k]) for k in range(len(first.kv.values))],
+                      stack(lambda f: f.kv.pad, False))
     feature = VLAFeature(stack(lambda f: f.hidden), stack(lambda f: f.mask, False), stack(lambda f: f.token_type),
-                         first.meta, layers)
+                         first.meta, layers, kv=kv)
     state = None if states[0] is None else torch.stack([_pad_rows(s, b) for s in states])
     noise = {k: torch.stack([_pad_rows(n[k], b) for n in noises]) for k in noises[0]}
     return Bucket(rows, feature, state, noise)

@@ -113,7 +113,7 @@ class ModelRunner:
 
         if tenant in self.slots:
             raise ValueError(f"tenant {tenant!r} already has a slot")
-        ckpt = LeRobotCheckpoint.read(ckpt_dir)
+        ckpt = LeRobotCheckpoint.read(ckpt_dir, vlm=False)  # the VLM is the backbone's: only hashed
         among = [self._backbone(backbone_id)] if backbone_id else list(self.backbones.values())
         backbone = backbone_for(ckpt, among)
         return self.add_slot(imported_slot(tenant, ckpt, backbone, optim, seed))

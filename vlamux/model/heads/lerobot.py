@@ -51,10 +51,10 @@ def checkpoint_of(spec: HeadSpec) -> str | None:
 
 class LeRobotHead(nn.Module):
     kind = "lerobot"
-    INIT_OPTIONS: tuple = ()
+    # what shapes a tenant's rows, not its expert: experts that differ only there run as one fused call
+    INIT_OPTIONS: tuple = ("lerobot", "cameras", "max_length", "padding", "max_state")
     DEFAULT_OPTIONS: dict = {}  # none a user sets: every option comes from the imported checkpoint
     HAS_VALUE = False
-    FUSABLE = False  # experts run one tenant at a time (a stacked call is a later step)
 
     def __init__(self, spec: HeadSpec, feature_dim: int):
         super().__init__()
@@ -92,6 +92,26 @@ class LeRobotHead(nn.Module):
     def _state(self, state: Tensor | None) -> Tensor | None:
         return None if state is None else F.pad(state, (0, self.state_in - state.shape[-1]))
 
+    @staticmethod
+    def _stacked(kv) -> bool:
+        """The keys are [N, B, L, H, D]: N tenants' requests in one fused call (vlamux.model.fused), the
+        expert's parameters stacked [N, ...] likewise."""
+        return kv.keys[0].dim() == 5
+
+    def _velocity(self, kv, x: Tensor, t: Tensor, state: Tensor | None) -> Tensor:
+        """The velocity; for a stacked call, each tenant's expert on its own rows, as one mapped call."""
+        if not self._stacked(kv):
+            return self.expert.velocity(kv, x, t, state)
+        from torch.func import functional_call, vmap
+
+        params = dict(self.expert.named_parameters())
+
+        def one(p, keys, values, pad, x, t, state):
+            return functional_call(self.expert, p, (keys, values, pad, x, t, state))
+
+        return vmap(one, in_dims=(0, 0, 0, 0, 0, 0, None if state is None else 0))(
+            params, kv.keys, kv.values, kv.pad, x, t, state)
+
     def _kv(self, feature):
         if getattr(feature, "kv", None) is None:
             raise InvalidInputError("head kind 'lerobot' reads a LeRobot backbone's prefix keys and values; this "
@@ -116,17 +136,38 @@ class LeRobotHead(nn.Module):
             noise = {k: v.to(actions.device) for k, v in self.draw("loss", actions.shape[0], generator).items()}
         a = F.pad(actions, (0, int(self.options["action_in"]) - actions.shape[-1]))
         dims = None if self.family == "smolvla" else actions.shape[-1]
-        value = flow_loss(self.expert, self._kv(feature), a, noise["noise"].to(a.dtype), noise["t"].to(a.dtype),
-                          self._state(state), dims)
+        kv = self._kv(feature)
+        if self._stacked(kv):
+            value = self._stacked_loss(kv, a, noise["noise"].to(a.dtype), noise["t"].to(a.dtype), self._state(state),
+                                       dims, action_mask)
+        else:
+            value = flow_loss(self.expert, kv, a, noise["noise"].to(a.dtype), noise["t"].to(a.dtype),
+                              self._state(state), dims)
         return value, {"velocity_mse": value.detach()}
+
+    def _stacked_loss(self, kv, a: Tensor, noise: Tensor, t: Tensor, state, dims, mask: Tensor) -> Tensor:
+        """flow_loss for each of N tenants [N]: its rows' mean (a row padded into the stack, with no
+        valid step, counts for nothing; each real row weighs the same, as in the plain mean)."""
+        tt = t[..., None, None]
+        x_t = tt * noise + (1.0 - tt) * a
+        err = (noise - a - self._velocity(kv, x_t, t, state)) ** 2
+        per_row = (err if dims is None else err[..., :dims]).mean(dim=(-2, -1))  # [N, B]
+        real = mask.any(dim=-1).to(per_row.dtype)
+        return (per_row * real).sum(-1) / real.sum(-1).clamp_min(1.0)
 
     def sample(self, feature, state, generator=None, deterministic=False, noise=None):
         """Normalised actions [B, T, A] from noise `x0` [B, T, expert width] (zeros when deterministic)."""
         kv = self._kv(feature)
         if noise is None:
             noise = self.draw("sample", kv.pad.shape[0], generator, deterministic)
-        x = flow_sample(self.expert, kv, noise["x0"].to(self.step_pos.device, torch.float32), self._state(state),
-                        self.steps)
+        x = noise["x0"].to(self.step_pos.device, torch.float32)
+        if self._stacked(kv):  # the flow's Euler steps as flow_sample takes them, each a mapped call
+            dt = -1.0 / self.steps
+            for k in range(self.steps):
+                t = torch.full(x.shape[:2], 1.0 + k * dt, dtype=torch.float32, device=x.device)
+                x = x + dt * self._velocity(kv, x, t, self._state(state))
+        else:
+            x = flow_sample(self.expert, kv, x, self._state(state), self.steps)
         return {"actions": x[..., :self.spec.action_dim]}
 
     def evaluate(self, feature, state, actions, action_mask):

@@ -9,6 +9,7 @@ layers) and everything else (the tenant's module: the action expert and its proj
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +24,8 @@ VLM_PREFIX = {"smolvla": "model.vlm_with_expert.vlm.", "pi0": "model.paligemma_w
 FAMILIES = tuple(VLM_PREFIX)
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 PRE, POST = "policy_preprocessor.json", "policy_postprocessor.json"
+_HASHES: dict[tuple, str] = {}  # (weights file, size, mtime) -> its VLM's content hash
+_HASHES_LOCK = threading.Lock()
 
 
 @dataclass
@@ -37,8 +40,10 @@ class LeRobotCheckpoint:
     stats: dict[str, Tensor] = field(default_factory=dict)  # "<feature>.<stat>", the normalizer's
 
     @staticmethod
-    def read(path) -> LeRobotCheckpoint:
-        """Read a checkpoint directory; errors name the file and what is wrong with it."""
+    def read(path, vlm: bool = True) -> LeRobotCheckpoint:
+        """Read a checkpoint directory; errors name the file and what is wrong with it. vlm=False: the
+        tenant's module only (importing a tenant onto a backbone that holds the VLM already; its hash
+        is `vlm_sha256`'s, read once per file)."""
         from safetensors import safe_open
 
         path = Path(path)
@@ -55,13 +60,14 @@ class LeRobotCheckpoint:
                                     f"({', '.join(FAMILIES)})")
         try:
             with safe_open(str(path / WEIGHTS), framework="pt") as f:
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
+                names = list(f.keys())
+                tensors = {k: f.get_tensor(k) for k in names if vlm or not k.startswith(VLM_PREFIX[family])}
                 metadata = f.metadata() or {}
         except Exception as e:  # noqa: BLE001 - a damaged header raises several kinds
             raise InvalidInputError(f"{path.name}/{WEIGHTS}: not a readable safetensors file ({e})") from None
         ckpt = LeRobotCheckpoint(path, family, config, tensors, metadata, _json(path / PRE), _json(path / POST))
         ckpt.stats = ckpt._normalizer_stats()
-        if not ckpt.vlm_tensors():
+        if not any(k.startswith(VLM_PREFIX[family]) for k in names):
             raise InvalidInputError(f"{path.name}/{WEIGHTS}: no tensor under {VLM_PREFIX[family]!r}: not a "
                                     f"{family} checkpoint")
         return ckpt
@@ -90,8 +96,28 @@ class LeRobotCheckpoint:
         return {k.removeprefix("model."): v for k, v in self.tensors.items() if not k.startswith(p)}
 
     def vlm_sha256(self) -> str:
-        """The content hash of the VLM's tensors (names without the prefix, dtypes, shapes, bytes)."""
-        return tensors_sha256(self.vlm_tensors())
+        """The content hash of the VLM's tensors (names without the prefix, dtypes, shapes, bytes); kept
+        per file (its path, size and modification time): a VLM of gigabytes is hashed once, not once per
+        tenant imported from checkpoints that share it."""
+        f = (self.path / WEIGHTS).resolve()
+        st = f.stat()
+        key = (str(f), st.st_size, st.st_mtime_ns)
+        with _HASHES_LOCK:
+            if key in _HASHES:
+                return _HASHES[key]
+        tensors = self.vlm_tensors()
+        if not tensors:  # read without its VLM: read that part now
+            from safetensors import safe_open
+
+            p = VLM_PREFIX[self.family]
+            with safe_open(str(f), framework="pt") as h:
+                tensors = {k[len(p):]: h.get_tensor(k) for k in h.keys() if k.startswith(p)}
+        digest = tensors_sha256(tensors)
+        with _HASHES_LOCK:
+            _HASHES[key] = digest
+            while len(_HASHES) > 256:
+                _HASHES.pop(next(iter(_HASHES)))
+        return digest
 
     # ---- what the processors say --------------------------------------------------------------------
     def vlm_hub_id(self) -> str:

@@ -36,6 +36,11 @@ class Expert(nn.Module):
     def velocity(self, kv: PrefixKV, x_t: Tensor, t: Tensor, state: Tensor | None = None) -> Tensor:
         raise NotImplementedError
 
+    def forward(self, keys: list[Tensor], values: list[Tensor], pad: Tensor, x_t: Tensor, t: Tensor,
+                state: Tensor | None = None) -> Tensor:
+        """`velocity` with the prefix as plain tensors (what torch.func maps over, for fused experts)."""
+        return self.velocity(PrefixKV(list(keys), list(values), pad), x_t, t, state)
+
     def state_token(self, state: Tensor) -> Tensor | None:
         return None
 

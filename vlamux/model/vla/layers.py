@@ -75,7 +75,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     rep = hq // k.shape[2]
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * d ** -0.5
+    # (.float() after too: under autocast the product comes back in the autocast dtype)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()).float() * d ** -0.5
     scores = scores.masked_fill(~mask[:, None], torch.finfo(torch.float32).min)
     probs = scores.softmax(dim=-1).to(v.dtype)
     return torch.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, lq, hq * d)

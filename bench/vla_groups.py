@@ -1,0 +1,219 @@
+"""Imported VLA tenants: serial per-tenant policy calls vs one grouped call, against the dense limit.
+
+For SmolVLA- and π0-shaped policies (random weights, `vlamux.model.vla.synthetic`: the fixtures' tiny
+sizes and a `small` shape of a few million parameters), N imported tenants (one checkpoint, each
+tenant's expert then drawn apart) x local batch b, two cameras (64x64, 48x48), an 8-dim state, it
+times in one run, interleaved:
+  inference  serial: N x (prefix through the VLM + ten flow steps of the tenant's expert)
+             grouped: the N prefixes in one VLM forward, then each expert's ten steps on its rows
+  train      the same with the flow-matching loss and backward, plus every tenant's optimizer step
+  limit      plain modules, independent of vlamux's runner and backbone: a separate copy of the VLM and
+             of each expert (vlamux.model.vla's modules, as the standalone policy runs them), one
+             dense batch of N*b prefixes (one shape) then each expert on its rows ("dense_one"),
+             against N calls of (prefix, expert) on b rows each ("dense_split"); limit = split / one
+and writes bench/results/vla_groups.json: cells as group_batching's, plus `resident_bytes` (the
+shared VLM once plus N experts, against N whole policies).
+
+    python bench/vla_groups.py           # full grid: N in {1, 2, 4, 8, 16} x b in {1, 4}, both families, both shapes
+    python bench/vla_groups.py --quick   # tiny shapes, a few cells
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (ResultFile, add_cell_arguments, cell_key, cell_plan, environment,  # noqa: E402
+                    interleaved_medians, print_table)
+
+from vlamux.model import ForwardBackward, ModelRunner, OptimizerSpec, Sample, build_backbone
+from vlamux.model.backbones import BackboneSpec
+from vlamux.model.batch import Observation
+from vlamux.model.device import add_device_arguments, parse_device_arguments
+from vlamux.model.vla import VLAPolicy
+from vlamux.model.vla.flow import loss as flow_loss
+from vlamux.model.vla.flow import sample as flow_sample
+from vlamux.model.vla.synthetic import random_checkpoint
+from vlamux.model.vla.vlm import prefix_kv
+
+# the summary's cell (8 x 1) first: a run cut short keeps it
+FULL_GRID = [(8, 1)] + [c for c in itertools.product([1, 2, 4, 8, 16], [1, 4]) if c != (8, 1)]
+QUICK_GRID = [(1, 1), (8, 1), (4, 4)]
+MODES = ("inference", "train")
+MODELS = [("smolvla", "tiny"), ("pi0", "tiny"), ("smolvla", "small"), ("pi0", "small")]
+TASK = "pick up the red cube"
+
+
+def observation(b: int, g: torch.Generator) -> tuple[Observation, torch.Tensor]:
+    images = {"front": torch.randint(0, 256, (b, 3, 64, 64), generator=g, dtype=torch.uint8),
+              "wrist": torch.randint(0, 256, (b, 3, 48, 48), generator=g, dtype=torch.uint8)}
+    return Observation(images, [TASK] * b, torch.randn(b, 8, generator=g)), torch.randn(b, 50, 7, generator=g)
+
+
+class Plain:
+    """The policy as plain modules (a VLM, N experts, plain AdamW), with no runner, backbone or slot."""
+
+    def __init__(self, policy: VLAPolicy, experts: list, lr: float, device, dtype):
+        self.p, self.experts, self.device, self.dtype = policy, experts, torch.device(device), dtype
+        self.vlm = policy.vlm.to(self.device, dtype)
+        self.opts = [torch.optim.AdamW(e.parameters(), lr=lr) for e in experts]
+
+    def _on(self, t: torch.Tensor, dtype=None) -> torch.Tensor:
+        return t.to(self.device, dtype or t.dtype, non_blocking=True)
+
+    def _prefix(self, tenants: list[int], data: list, grad: bool):
+        """One VLM forward over the rows of `tenants` (the same prompt: one dense shape)."""
+        p = self.p.processor
+        obs = [data[i][0] for i in tenants]
+        states = [self._on(p.pad(p.normalize_state(o.state), p.max_state)) for o in obs]
+        images = {c: torch.cat([o.images[c] for o in obs]) for c in obs[0].images}
+        ids, mask = p.tokens(p.prompts([t for o in obs for t in o.instruction], torch.cat([o.state for o in obs])))
+        ids, mask = self._on(ids), self._on(mask)
+        with torch.set_grad_enabled(grad):
+            cams = [self.vlm.embed_images(self._on(x, self.dtype)) for x in p.images(images)]
+            n = ids.shape[0]
+            parts = [*cams, self.vlm.embed_text(ids)]
+            pad = [torch.ones(n, c.shape[1], dtype=torch.bool, device=self.device) for c in cams]
+            pad.append(mask)
+            tokens = [self.experts[i].state_token(s) for i, s in zip(tenants, states)]
+            if tokens[0] is not None:  # SmolVLA: each tenant's state token ends its rows' prefix
+                parts.append(torch.cat(tokens).to(parts[0].dtype))
+                pad.append(torch.ones(n, 1, dtype=torch.bool, device=self.device))
+            pad_t = torch.cat(pad, dim=1)
+            att = torch.zeros_like(pad_t, dtype=torch.long)
+            if tokens[0] is not None:
+                att[:, -1] = 1
+            kv = prefix_kv(self.vlm, torch.cat(parts, dim=1), pad_t, att)
+        return kv, states
+
+    def run(self, tenants: list[int], data: list, mode: str, g: torch.Generator) -> None:
+        p, train = self.p.processor, mode == "train"
+        kv, states = self._prefix(tenants, data, grad=train and self.p.family == "smolvla")
+        at, losses = 0, []
+        for i, s in zip(tenants, states):
+            obs, actions = data[i]
+            b = obs.batch_size
+            mine = kv.select(slice(at, at + b)).to(torch.float32)  # the experts run in fp32, as a slot's do
+            at += b
+            noise = self._on(torch.randn(b, p.chunk, p.max_action, generator=g))
+            if not train:
+                with torch.no_grad():
+                    x = flow_sample(self.experts[i], mine, noise, s, self.p.steps)
+                    x[..., :p.action_dim].to("cpu", non_blocking=True)  # the actions to the host, as a replica's
+                continue
+            a = self._on(p.pad(p.normalize_actions(actions), p.max_action))
+            t = self._on(torch.rand(b, generator=g).pow(1 / 1.5) * 0.999 + 0.001)
+            losses.append(flow_loss(self.experts[i], mine, a, noise, t, s, None))
+        if train:
+            torch.stack(losses).sum().backward()
+            for i in tenants:  # as a slot steps: its gradients clipped to norm 1, then AdamW
+                torch.nn.utils.clip_grad_norm_(self.experts[i].parameters(), 1.0)
+                self.opts[i].step()
+                self.opts[i].zero_grad(set_to_none=True)
+
+
+def measure_cell(ckpt: Path, vlm_dir: Path, n: int, b: int, mode: str, repeats: int, min_s: float, device: str,
+                 backbone) -> dict:
+    runner = ModelRunner(backbone)
+    g = torch.Generator().manual_seed(1000 * n + b)
+    data, experts = [], []
+    for i in range(n):  # one checkpoint; each tenant's expert then drawn apart
+        slot = runner.import_lerobot(f"t{i}", ckpt, OptimizerSpec(lr=1e-5), seed=i)
+        with torch.no_grad():
+            for prm in slot.head.expert.parameters():
+                prm.add_(0.02 * torch.randn(prm.shape, generator=g).to(prm))
+        experts.append(copy.deepcopy(slot.head.expert))
+        data.append(observation(b, g))
+    plain = Plain(VLAPolicy(ckpt, vlm_dir), experts, 1e-5, backbone.device, backbone.dtype)
+    reqs = [Sample(f"t{i}", o) for i, (o, _) in enumerate(data)] if mode == "inference" else \
+        [ForwardBackward(f"t{i}", o, a) for i, (o, a) in enumerate(data)]
+
+    def run(grouped: bool):
+        def go():
+            out = runner.execute(reqs, grouped=grouped)
+            for r in out:
+                r.unwrap()
+            if mode == "train":
+                for i in range(n):
+                    runner.optim_step(f"t{i}").unwrap()
+            return out
+        return go
+
+    pg = torch.Generator().manual_seed(7)
+    contenders = {"serial": run(False), "grouped": run(True),
+                  "dense_one": lambda: plain.run(list(range(n)), data, mode, pg),
+                  "dense_split": lambda: [plain.run([i], data, mode, pg) for i in range(n)]}
+    for fn in contenders.values():
+        fn()
+    t = interleaved_medians(contenders, repeats, device, min_s)
+    out = run(True)()
+    speedup, limit = t["serial"] / t["grouped"], t["dense_split"] / t["dense_one"]
+    vlm_bytes = sum(x.numel() * x.element_size() for x in backbone.vlm.parameters())
+    expert_bytes = sum(runner.slot(f"t{i}").memory_bytes()["head"] for i in range(n))
+    return {"n_tenants": n, "local_batch": b, "mode": mode, "serial_s": t["serial"], "grouped_s": t["grouped"],
+            "speedup": speedup, "limit_speedup": limit, "of_limit": speedup / limit,
+            "dense_one_s": t["dense_one"], "dense_split_s": t["dense_split"],
+            "largest_group": max(r.group_size for r in out),
+            "resident_bytes": {"shared": vlm_bytes + expert_bytes, "separate_models": n * vlm_bytes + expert_bytes,
+                               "vlm": vlm_bytes, "experts": expert_bytes}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, a few cells")
+    ap.add_argument("--models", default=None, help="family:shape,... (default: all four; --quick: the tiny ones)")
+    add_device_arguments(ap)
+    add_cell_arguments(ap, "vla_groups", "0.6; --quick 0.2")
+    args = ap.parse_args(argv)
+    device, dtype = parse_device_arguments(ap, args)
+    grid, repeats, min_s = cell_plan(args, (QUICK_GRID, FULL_GRID), (3, 5), (0.2, 0.6))
+    models = [tuple(m.split(":")) for m in args.models.split(",")] if args.models else \
+        [m for m in MODELS if m[1] == "tiny" or not args.quick]
+    env = environment(device, dtype)
+    config = {"models": [f"{f}:{s}" for f, s in models], "repeats": repeats, "min_seconds": min_s,
+              "weights": "random (vlamux.model.vla.synthetic)", **env}
+    result = ResultFile("vla_groups_quick.json" if args.quick else "vla_groups.json", args.out,
+                        [f"{f}:{s} " + cell_key(m, n, b) for f, s in models for n, b in grid for m in MODES],
+                        cells=[], config=config)
+    cells = result.payload["cells"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for family, shape in models:
+            ckpt, vlm_dir = random_checkpoint(family, shape, Path(tmp) / f"{family}-{shape}", dtype=dtype)
+            backbone = build_backbone(BackboneSpec(kind="lerobot", path=str(ckpt), vlm=str(vlm_dir)), device, dtype)
+            print(f"{family}:{shape}: VLM {backbone.num_parameters() / 1e6:.2f}M params; device={device}, "
+                  f"threads={env['threads']}, repeats={repeats}", flush=True)
+            for n, b in grid:
+                for mode in MODES:
+                    cell = measure_cell(ckpt, vlm_dir, n, b, mode, repeats, min_s, str(device), backbone)
+                    cell.update(family=family, shape=shape, preset=f"{family}:{shape}", device=str(device),
+                                dtype=env["dtype"])
+                    result.cell(f"{family}:{shape} " + cell_key(mode, n, b), cell)
+                    print(f"  {mode:9s} N={n:2d} b={b}: speedup {cell['speedup']:.2f}x, limit "
+                          f"{cell['limit_speedup']:.2f}x, of limit {cell['of_limit']:.2f}", flush=True)
+    print()
+    print_table(cells, [("family", "s"), ("shape", "s"), ("mode", "s"), ("n_tenants", "d"), ("local_batch", "d"),
+                        ("serial_s", ".4f"), ("grouped_s", ".4f"), ("speedup", ".2f"), ("limit_speedup", ".2f"),
+                        ("of_limit", ".2f")])
+    path = result.finish()
+    worst = min(cells, key=lambda c: c["of_limit"])
+    print(f"\nworst cell: {worst['family']}:{worst['shape']} {worst['mode']} {worst['n_tenants']}x"
+          f"{worst['local_batch']}: speedup = {worst['of_limit']:.2f} x limit (target >= 0.90)")
+    for c in cells:
+        if c["n_tenants"] == 8 and c["local_batch"] == 1:
+            r = c["resident_bytes"]
+            print(f"8 tenants x b=1 {c['family']}:{c['shape']} {c['mode']}: {c['speedup']:.2f}x grouped vs serial "
+                  f"(limit {c['limit_speedup']:.2f}x); resident {r['shared'] / 1e6:.1f} MB shared vs "
+                  f"{r['separate_models'] / 1e6:.1f} MB as 8 models")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
