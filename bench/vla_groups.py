@@ -162,7 +162,9 @@ def measure_cell(ckpt: Path, vlm_dir: Path, n: int, b: int, mode: str, repeats: 
             "dense_one_s": t["dense_one"], "dense_split_s": t["dense_split"],
             "largest_group": max(r.group_size for r in out),
             "resident_bytes": {"shared": vlm_bytes + expert_bytes, "separate_models": n * vlm_bytes + expert_bytes,
-                               "vlm": vlm_bytes, "experts": expert_bytes}}
+                               "vlm": vlm_bytes, "experts": expert_bytes},
+            "resident_mb": {"shared": round((vlm_bytes + expert_bytes) / 1e6, 1),
+                            "separate_models": round((n * vlm_bytes + expert_bytes) / 1e6, 1)}}
 
 
 def main(argv=None) -> int:

@@ -102,7 +102,7 @@ def steps() -> list[Step]:
              ["bench/multi_tenant.py", "--sft-steps", "80", "--warm-start-steps", "20", "--rl-env-steps", "600",
               "--demos", "10", "--demo-cameras", "image", "--threads", "4", "--placement", "shared", *gpu],
              ["bench/multi_tenant.py", "--quick", "--sft-steps", "4", "--warm-start-steps", "2", "--rl-env-steps",
-              "32", "--demos", "2", "--demo-cameras", "image", "--placement", "shared", *cpu], 45, 200,
+              "32", "--demos", "2", "--demo-cameras", "image", "--placement", "shared", *cpu], 45, 260,
              "tiny backbone, 3 RL + 1 SFT tenants: one after another (fresh services each) vs together",
              renders=True),
         # imported VLA tenants at SmolVLA's published size (random weights, bf16 on disk: 0.9 GB): the xl
