@@ -41,7 +41,7 @@ from vlamux.model.vla import VLAPolicy
 from vlamux.model.vla.flow import loss as flow_loss
 from vlamux.model.vla.flow import sample as flow_sample
 from vlamux.model.vla.synthetic import random_checkpoint
-from vlamux.model.vla.vlm import prefix_kv
+from vlamux.model.vla.vlm import prefix_inputs, prefix_kv
 
 # the summary's cell (8 x 1) first: a run cut short keeps it
 FULL_GRID = [(8, 1)] + [c for c in itertools.product([1, 2, 4, 8, 16], [1, 4]) if c != (8, 1)]
@@ -78,19 +78,9 @@ class Plain:
         ids, mask = self._on(ids), self._on(mask)
         with torch.set_grad_enabled(grad):
             cams = [self.vlm.embed_images(self._on(x, self.dtype)) for x in p.images(images)]
-            n = ids.shape[0]
-            parts = [*cams, self.vlm.embed_text(ids)]
-            pad = [torch.ones(n, c.shape[1], dtype=torch.bool, device=self.device) for c in cams]
-            pad.append(mask)
             tokens = [self.experts[i].state_token(s) for i, s in zip(tenants, states)]
-            if tokens[0] is not None:  # SmolVLA: each tenant's state token ends its rows' prefix
-                parts.append(torch.cat(tokens).to(parts[0].dtype))
-                pad.append(torch.ones(n, 1, dtype=torch.bool, device=self.device))
-            pad_t = torch.cat(pad, dim=1)
-            att = torch.zeros_like(pad_t, dtype=torch.long)
-            if tokens[0] is not None:
-                att[:, -1] = 1
-            kv = prefix_kv(self.vlm, torch.cat(parts, dim=1), pad_t, att)
+            own = None if tokens[0] is None else torch.cat(tokens)  # SmolVLA: each tenant's state token
+            kv = prefix_kv(self.vlm, *prefix_inputs(cams, self.vlm.embed_text(ids), mask, own))
         return kv, states
 
     def run(self, tenants: list[int], data: list, mode: str, g: torch.Generator) -> None:

@@ -26,7 +26,7 @@ from vlamux.model.device import to_device
 from vlamux.model.feature import FeatureMeta, TokenType, VLAFeature
 from vlamux.model.vla.checkpoint import LeRobotCheckpoint
 from vlamux.model.vla.processor import PrefixSpec, prompts, vlm_image
-from vlamux.model.vla.vlm import PrefixKV, build_vlm, prefix_kv
+from vlamux.model.vla.vlm import PrefixKV, build_vlm, prefix_inputs, prefix_kv
 
 MAX_CAMERAS = 8
 
@@ -131,15 +131,8 @@ class LeRobotBackbone(Backbone):
         for b, own in zip(batches, queries):
             cams = list(embedded[at:at + len(b.images)])
             at += len(b.images)
-            parts = [*cams, self.vlm.embed_text(b.ids)] + ([own.to(cams[0].dtype)] if own is not None else [])
-            n = b.batch_size
-            pad = [torch.ones(n, c.shape[1], dtype=torch.bool, device=b.ids.device) for c in cams] + [b.lang_mask]
-            pad += [torch.ones(n, b.own_tokens, dtype=torch.bool, device=b.ids.device)] if b.own_tokens else []
-            pad_t = torch.cat(pad, dim=1)
-            att = torch.zeros_like(pad_t, dtype=torch.long)
-            if b.own_tokens:
-                att[:, -b.own_tokens:] = 1  # the tenant's tokens see the prefix; nothing in it sees them
-            rows.append(torch.cat(parts, dim=1))
+            tokens, pad_t, att = prefix_inputs(cams, self.vlm.embed_text(b.ids), b.lang_mask, own)
+            rows.append(tokens)
             pads.append(pad_t)
             atts.append(att)
         length = max(r.shape[1] for r in rows)

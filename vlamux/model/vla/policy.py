@@ -13,7 +13,7 @@ from vlamux.model.vla.checkpoint import LeRobotCheckpoint
 from vlamux.model.vla.experts import Expert, build_expert, expert_dims
 from vlamux.model.vla.flow import loss, sample
 from vlamux.model.vla.processor import Processor
-from vlamux.model.vla.vlm import VLM, PrefixKV, build_vlm, prefix_kv
+from vlamux.model.vla.vlm import VLM, PrefixKV, build_vlm, prefix_inputs, prefix_kv
 
 
 class VLAPolicy:
@@ -36,18 +36,9 @@ class VLAPolicy:
         s = p.pad(p.normalize_state(state.to(torch.float32)), p.max_state)
         ids, mask = p.tokens(p.prompts(tasks, state.to(torch.float32)))
         cams = [self.vlm.embed_images(x) for x in p.images(images)]
-        b = ids.shape[0]
-        parts = [*cams, self.vlm.embed_text(ids)]
-        pad = [torch.ones(b, c.shape[1], dtype=torch.bool) for c in cams] + [mask]
-        token = self.expert.state_token(s)
-        if token is not None:  # SmolVLA: the state is the prefix's last token, after the language
-            parts.append(token)
-            pad.append(torch.ones(b, 1, dtype=torch.bool))
-        pad_t = torch.cat(pad, dim=1)
-        att = torch.zeros_like(pad_t, dtype=torch.long)
-        if token is not None:
-            att[:, -1] = 1  # the state sees the prefix; nothing in the prefix sees it
-        return prefix_kv(self.vlm, torch.cat(parts, dim=1), pad_t, att), s
+        # SmolVLA: the state is the prefix's last token, after the language
+        tokens = prefix_inputs(cams, self.vlm.embed_text(ids), mask, self.expert.state_token(s))
+        return prefix_kv(self.vlm, *tokens), s
 
     @torch.no_grad()
     def act(self, images: dict[str, Tensor], tasks: list[str], state: Tensor, noise: Tensor | None = None,

@@ -166,6 +166,23 @@ def build_vlm(family: str, tensors: dict[str, Tensor], vlm_dir: Path | None) -> 
     return vlm.eval().requires_grad_(False)
 
 
+def prefix_inputs(cams: list[Tensor], text: Tensor, lang_mask: Tensor, own: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+    """A batch's prefix as lerobot lays it out: each camera's tokens, the language tokens, then the
+    tenant's own tokens (SmolVLA's state), which see the prefix while nothing in it sees them. Returns
+    (tokens [B, Lp, D], pad [B, Lp], att [B, Lp]): `prefix_kv`'s inputs."""
+    n, dev = text.shape[0], text.device
+    parts = [*cams, text] + ([own.to(text.dtype)] if own is not None else [])
+    pad = [torch.ones(n, c.shape[1], dtype=torch.bool, device=dev) for c in cams] + [lang_mask]
+    if own is not None:
+        pad.append(torch.ones(n, own.shape[1], dtype=torch.bool, device=dev))
+    pad_t = torch.cat(pad, dim=1)
+    att = torch.zeros_like(pad_t, dtype=torch.long)
+    if own is not None:
+        att[:, -own.shape[1]:] = 1
+    return torch.cat(parts, dim=1), pad_t, att
+
+
 def prefix_kv(vlm: VLM, tokens: Tensor, pad: Tensor, att: Tensor, hidden: bool = False):
     """Run the prefix `tokens` [B, Lp, D] (real where `pad`, blocks as `att`: lerobot's masks) through
     the language layers; each layer's keys after RoPE and its values. Positions count real tokens.
