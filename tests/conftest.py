@@ -76,9 +76,14 @@ def chunks_while_training(predict, train_step, steps: int, settle) -> list[dict]
     return seen
 
 
-def light_latency_alone_and_flooded(predict_light, submit_flood, in_flight: int = 160, n: int = 11):
+def light_latency_alone_and_flooded(predict_light, submit_flood, batch_rows: int, in_flight: int = 160,
+                                    n: int = 11):
     """Median latency of a light tenant's sequential requests, alone and while a flooding tenant keeps
-    `in_flight` requests outstanding. predict_light() blocks for one request; submit_flood() returns a future."""
+    `in_flight` requests outstanding, and the flood's group period (seconds per `batch_rows` rows served)
+    measured over the same window. predict_light() blocks for one request; submit_flood() returns a future.
+
+    The period is the machine-independent yardstick: least-served-first puts the light request into the
+    next group (a wait of at most about two periods), FIFO behind in_flight / batch_rows groups (20)."""
     import threading
     import time
 
@@ -93,12 +98,16 @@ def light_latency_alone_and_flooded(predict_light, submit_flood, in_flight: int 
     for _ in range(3):  # warm-up
         predict_light()
     alone = median()
-    stop = threading.Event()
+    stop, counting = threading.Event(), threading.Event()
+    served = [0]
 
     def flood():
         pending = []
         while not stop.is_set():
-            pending = [f for f in pending if not f.done()]
+            left = [f for f in pending if not f.done()]
+            if counting.is_set():
+                served[0] += len(pending) - len(left)
+            pending = left
             while len(pending) < in_flight:
                 pending.append(submit_flood())
             time.sleep(0.002)
@@ -107,12 +116,18 @@ def light_latency_alone_and_flooded(predict_light, submit_flood, in_flight: int 
     th.start()
     time.sleep(0.3)
     try:
+        counting.set()
+        t0 = time.perf_counter()
         flooded = median()
+        window = time.perf_counter() - t0
+        counting.clear()
     finally:
         stop.set()
         th.join()
-    print(f"light tenant median latency: alone {alone * 1e3:.1f} ms, next to a flooding tenant {flooded * 1e3:.1f} ms")
-    return alone, flooded
+    period = window * batch_rows / max(served[0], 1)
+    print(f"light tenant median latency: alone {alone * 1e3:.1f} ms, next to a flooding tenant {flooded * 1e3:.1f} ms;"
+          f" the flood's group period {period * 1e3:.1f} ms ({served[0]} rows in {window:.2f} s)")
+    return alone, flooded, period
 
 
 # bf16 (the CUDA default): the losses of a tenant's grouped and serial training runs agree to within

@@ -209,9 +209,9 @@ def test_versions_switch_atomically_across_the_cluster(rt):
 
 
 
-def test_a_flooding_tenant_at_most_doubles_a_light_tenants_median_latency(cluster):
-    """As on the embedded runtime: a tenant keeping 20 groups' worth of requests in flight at most doubles
-    a light tenant's median latency (FIFO would make it wait ~20 groups)."""
+def test_a_flooding_tenant_delays_a_light_tenant_by_a_group_not_its_queue(cluster):
+    """As on the embedded runtime: next to a tenant keeping 20 groups' worth of requests in flight, a light
+    tenant's median latency stays within a few of the flood's group periods (FIFO would make it wait ~20)."""
     runtime = RayRuntime(tiny_config(inference_replicas=1, max_wait_s=0.1)).start()
     try:
         for t in ("bolt", "delta"):
@@ -220,12 +220,14 @@ def test_a_flooding_tenant_at_most_doubles_a_light_tenants_median_latency(cluste
         time.sleep(0.5)
         data = tenant_batches(batch=1)
 
-        alone, flooded = light_latency_alone_and_flooded(
+        alone, flooded, period = light_latency_alone_and_flooded(
             lambda: runtime.predict("bolt", data["bolt"][0], deterministic=True).result(120),
-            lambda: runtime.predict("delta", data["delta"][0]))
+            lambda: runtime.predict("delta", data["delta"][0]), batch_rows=8)
     finally:
         runtime.stop()
-    assert flooded <= 2 * alone, (flooded, alone)
+    # Least-served-first: the light request joins the next group, so it waits the current group's rest and its
+    # own; FIFO would queue it behind 20 groups. Both 2x alone and 4 periods allow for the machine's jitter.
+    assert flooded <= max(2 * alone, 4 * period), (flooded, alone, period)
 
 
 def test_hung_inference_replica_is_replaced(cluster):

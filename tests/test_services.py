@@ -132,9 +132,9 @@ def test_one_tenants_failure_does_not_disturb_the_others(services):
 
 
 @pytest.mark.serial
-def test_a_flooding_tenant_at_most_doubles_a_light_tenants_median_wait(backbone):
-    """Least-served-first scheduling: a tenant keeping 20 groups' worth of requests queued does not
-    push a light tenant's median latency past twice what it is alone (FIFO would be ~20 groups)."""
+def test_a_flooding_tenant_delays_a_light_tenant_by_a_group_not_its_queue(backbone):
+    """Least-served-first scheduling: next to a tenant keeping 20 groups' worth of requests queued, a light
+    tenant's median latency stays within a few of the flood's group periods (FIFO would be ~20)."""
     from vlamux.model import Slot
 
     svc = InferenceModelService(backbone, InferenceQueueConfig(batch_rows=8, max_wait_s=0.05)).start()
@@ -143,12 +143,14 @@ def test_a_flooding_tenant_at_most_doubles_a_light_tenants_median_wait(backbone)
         svc.stage_policy(Slot(t, spec, backbone.meta, seed=i).export_policy())
 
     try:
-        alone, flooded = light_latency_alone_and_flooded(
+        alone, flooded, period = light_latency_alone_and_flooded(
             lambda: svc.predict("acme", data["acme"][0], deterministic=True).result(30),
-            lambda: svc.predict("delta", data["delta"][0]))
+            lambda: svc.predict("delta", data["delta"][0]), batch_rows=8)
     finally:
         svc.stop()
-    assert flooded <= 2 * alone, (flooded, alone)
+    # Least-served-first: the light request joins the next group, so it waits the current group's rest and its
+    # own; FIFO would queue it behind 20 groups. Both 2x alone and 4 periods allow for the machine's jitter.
+    assert flooded <= max(2 * alone, 4 * period), (flooded, alone, period)
 
 
 def test_a_checkpoint_rollback_gets_a_new_version_and_reaches_inference(services, tmp_path):
