@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (ResultFile, add_cell_arguments, cell_key, cell_plan, environment,  # noqa: E402
-                    interleaved_medians, print_table)
+                    interleaved_medians, parse_grid, print_table)
 
 from vlamux.model import ForwardBackward, ModelRunner, OptimizerSpec, Sample, build_backbone
 from vlamux.model.backbones import BackboneSpec
@@ -160,28 +160,35 @@ def measure_cell(ckpt: Path, vlm_dir: Path, n: int, b: int, mode: str, repeats: 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, a few cells")
-    ap.add_argument("--models", default=None, help="family:shape,... (default: all four; --quick: the tiny ones)")
+    ap.add_argument("--models", default=None,
+                    help="family:shape,... (default: all four; --quick: the tiny ones); family:shape=N:b+N:b gives "
+                         "that model its own cells in place of --grid (a large model's memory)")
     add_device_arguments(ap)
     add_cell_arguments(ap, "vla_groups", "0.6; --quick 0.2")
     args = ap.parse_args(argv)
     device, dtype = parse_device_arguments(ap, args)
     grid, repeats, min_s = cell_plan(args, (QUICK_GRID, FULL_GRID), (3, 5), (0.2, 0.6))
-    models = [tuple(m.split(":")) for m in args.models.split(",")] if args.models else \
+    models = [tuple(m.split("=")[0].split(":")) for m in args.models.split(",")] if args.models else \
         [m for m in MODELS if m[1] == "tiny" or not args.quick]
+    own = {tuple(m.split("=")[0].split(":")): parse_grid(m.split("=")[1].replace("+", ","))
+           for m in (args.models or "").split(",") if "=" in m}
+    grids = {m: own.get(m, grid) for m in models}
     env = environment(device, dtype)
-    config = {"models": [f"{f}:{s}" for f, s in models], "repeats": repeats, "min_seconds": min_s,
+    config = {"models": [f"{f}:{s}" for f, s in models], "grids": {f"{f}:{s}": g for (f, s), g in grids.items()},
+              "repeats": repeats, "min_seconds": min_s,
               "weights": "random (vlamux.model.vla.synthetic)", **env}
     result = ResultFile("vla_groups_quick.json" if args.quick else "vla_groups.json", args.out,
-                        [f"{f}:{s} " + cell_key(m, n, b) for f, s in models for n, b in grid for m in MODES],
+                        [f"{f}:{s} " + cell_key(m, n, b) for f, s in models for n, b in grids[(f, s)] for m in MODES],
                         cells=[], config=config)
     cells = result.payload["cells"]
     with tempfile.TemporaryDirectory() as tmp:
         for family, shape in models:
-            ckpt, vlm_dir = random_checkpoint(family, shape, Path(tmp) / f"{family}-{shape}", dtype=dtype)
+            ckpt, vlm_dir = random_checkpoint(family, shape, Path(tmp) / f"{family}-{shape}", dtype=dtype,
+                                              device=device)
             backbone = build_backbone(BackboneSpec(kind="lerobot", path=str(ckpt), vlm=str(vlm_dir)), device, dtype)
             print(f"{family}:{shape}: VLM {backbone.num_parameters() / 1e6:.2f}M params; device={device}, "
                   f"threads={env['threads']}, repeats={repeats}", flush=True)
-            for n, b in grid:
+            for n, b in grids[(family, shape)]:
                 for mode in MODES:
                     cell = measure_cell(ckpt, vlm_dir, n, b, mode, repeats, min_s, str(device), backbone)
                     cell.update(family=family, shape=shape, preset=f"{family}:{shape}", device=str(device),

@@ -172,9 +172,9 @@ def test_standalone_policy_and_its_lerobot_export(tmp_path, family):
 @pytest.mark.parametrize("family", ["smolvla", "pi0", "pi05"])
 def test_fused_experts_equal_one_by_one(tmp_path, family):
     """Three imported tenants' experts as one fused call (stacked parameters, each on its own rows and
-    prefix, of different batch sizes) equal the per-tenant calls: samples, and for π0/π0.5 (whose
-    gradients stop at the expert) training losses and steps; SmolVLA trains through its prefix token,
-    one tenant at a time (a joint call), and is checked for sampling."""
+    prefix, of different batch sizes) equal the per-tenant calls: samples, training losses and steps.
+    π0/π0.5's gradients stop at the expert; SmolVLA's also pass through the shared VLM to each tenant's
+    own state projection (its prefix token: the joint backward, with the experts stacked in it)."""
     ref, meta = reference(family)
     ckpts = [FIX / family] + [other_expert(tmp_path, family, seed) for seed in (5, 6)]
     obs = [observation(ref, meta, b) for b in ("batch0", "batch1", "train")]
@@ -186,19 +186,22 @@ def test_fused_experts_equal_one_by_one(tmp_path, family):
             runner.import_lerobot(f"t{i}", c, seed=i)
         samples = runner.execute([Sample(f"t{i}", o) for i, o in enumerate(obs)])
         losses = []
-        if family != "smolvla":
-            for _ in range(3):
-                out = runner.execute([ForwardBackward(f"t{i}", o, torch.randn(o.batch_size, 50, 7,
-                                                                              generator=torch.Generator().manual_seed(i)))
-                                      for i, o in enumerate(obs)])
-                losses.append([r.unwrap()["loss"] for r in out])
-                for i in range(3):
-                    runner.optim_step(f"t{i}").unwrap()
-        runs[fuse] = ([r.unwrap()["actions"] for r in samples], losses,
-                      [runner.slot(f"t{i}").head.expert.action_out_proj.weight.detach().clone() for i in range(3)],
+        for _ in range(3):
+            out = runner.execute([ForwardBackward(f"t{i}", o, torch.randn(o.batch_size, 50, 7,
+                                                                          generator=torch.Generator().manual_seed(i)))
+                                  for i, o in enumerate(obs)])
+            losses.append([r.unwrap()["loss"] for r in out])
+            for i in range(3):
+                runner.optim_step(f"t{i}").unwrap()
+        weights = [runner.slot(f"t{i}").head.expert.action_out_proj.weight for i in range(3)]
+        if family == "smolvla":  # the state projection: its gradient came back through the VLM
+            weights += [runner.slot(f"t{i}").head.expert.state_proj.weight for i in range(3)]
+            fresh = ModelRunner(backbone).import_lerobot("x", ckpts[0]).head.expert.state_proj.weight
+            assert (weights[3] - fresh).abs().max() > 0  # it trained
+        runs[fuse] = ([r.unwrap()["actions"] for r in samples], losses, [w.detach().clone() for w in weights],
                       runner.fused.calls if fuse else 0)
     (a_f, l_f, w_f, calls), (a_s, l_s, w_s, _) = runs[True], runs[False]
-    assert calls >= 1  # the fused path ran
+    assert calls >= 4  # the fused path ran: the samples and each training step
     for x, y in zip(a_f, a_s):
         assert x.shape == y.shape and (x - y).abs().max() <= 1e-5
     for x, y in zip(l_f, l_s):

@@ -56,6 +56,12 @@ class StackedHeads:
             self.params.append(stacked)
         self.versions = _versions(slots)
 
+    def positions(self, slot: Slot) -> list[int | None]:
+        """For each of `slot`'s trainable parameters (`Slot.params`), its stacked parameter's index, or
+        None where it is not stacked (an adapter's)."""
+        at = {id(_param(slot, name)): k for k, name in enumerate(self.names)}
+        return [at.get(id(p)) for p in slot.params]
+
     def refresh(self, slots: list[Slot]) -> None:
         """Copy the tenants' current weights in, if any changed since the last call."""
         versions = _versions(slots)
@@ -125,9 +131,11 @@ class FusedHeads:
         return [{k: v[i, :n] for k, v in out.items()} for i, n in enumerate(b.rows)]
 
     # ---- training ---------------------------------------------------------------------------------
-    def forward_backward(self, slots: list[Slot], inputs: list[FBInputs], noises: list[dict],
-                         rngs: list[Tensor]) -> list[PendingGrads]:
-        """Each request's loss, metrics and gradients (its slice of the stacked gradients), unapplied."""
+    def objectives(self, slots: list[Slot], inputs: list[FBInputs], noises: list[dict]
+                   ) -> tuple[StackedHeads, list[tuple[Tensor, dict, dict]]]:
+        """The stacked heads and each request's (loss, metrics, extras), not yet differentiated: the
+        stacked parameters are leaves, and so are the features unless they carry a backbone's graph
+        (a tenant that trains through it: its gradient then reaches the backbone through its own rows)."""
         heads = self.stacked(slots)
         rl = inputs[0].loss is not None
         b = stack_bucket([x.feature for x in inputs], [x.state for x in inputs], noises)
@@ -142,6 +150,13 @@ class FusedHeads:
         else:
             loss, metrics = heads.module.loss(b.feature, b.state, actions, mask, noise=b.noise)
             per = [(loss[i], {k: v[i] for k, v in metrics.items()}, {}) for i in range(len(inputs))]
+        self.calls += 1
+        return heads, per
+
+    def forward_backward(self, slots: list[Slot], inputs: list[FBInputs], noises: list[dict],
+                         rngs: list[Tensor]) -> list[PendingGrads]:
+        """Each request's loss, metrics and gradients (its slice of the stacked gradients), unapplied."""
+        heads, per = self.objectives(slots, inputs, noises)
         losses = torch.stack([p[0] for p in per])
         grads = torch.autograd.grad(losses.sum(), heads.params, allow_unused=True)
         # every request's finiteness from the stacked tensors at once, not tenant by tenant
@@ -160,7 +175,6 @@ class FusedHeads:
             # views of the stacked gradient: disjoint slices, one per request
             mine = [None if g is None else g[i] for g in grads]
             out.append(PendingGrads(mine, {"loss": loss_i.detach(), **metrics_i, **extra_i}, finite[i], rngs[i]))
-        self.calls += 1
         return out
 
 

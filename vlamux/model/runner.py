@@ -339,7 +339,7 @@ class ModelRunner:
         mine = {i: f.select(slice(None), None, s.head_spec.feature_layers) for i, s, f in zip(group, slots, features)}
         if grad:
             with self.lane.autocast():
-                self._joint(group, requests, {i: batches[i].rows for i in group}, mine, rnd)
+                self._joint(group, requests, {i: batches[i].rows for i in group}, mine, rnd, fuse)
         else:
             self._heads(group, requests, {i: batches[i].rows for i in group}, mine, rnd, fuse)
 
@@ -364,44 +364,96 @@ class ModelRunner:
             yield kept
 
     def _joint(self, group: list[int], requests: list[Request], rows: dict[int, RowInputs],
-               features: dict[int, VLAFeature], rnd: _Round) -> None:
-        """Adapter tenants' forward_backwards: every loss first, then one backward through the heads and
-        the shared backbone call to every head and adapter (each tenant's rows are its own in every
-        layer, so each gradient is its own tenant's, and one NaN stays in its tenant)."""
+               features: dict[int, VLAFeature], rnd: _Round, fuse: bool) -> None:
+        """Forward_backwards that train through the backbone (adapters, query tokens, an imported
+        expert's state token): every loss first, heads of one architecture as one stacked call, then one
+        backward through the heads and the shared backbone call to every head and adapter (each tenant's
+        rows are its own in every layer, so each gradient is its own tenant's, and one NaN stays in its
+        tenant)."""
         start = self.lane.mark()
-        works, losses = [], []
-        for i in group:
-            req, slot = requests[i], self.slots[requests[i].tenant]
-            try:
-                x = slot.fb_inputs(features[i], rows[i])
-                rng = slot.generator.get_state()
-                given = given_draws(req)
-                noise = given if given is not None else slot.draw("loss", x.feature.batch_size) if x.loss is None else {}
-                loss, metrics, extra = slot.objective(x, slot.head_forward(x, noise))
-            except Exception as e:  # noqa: BLE001 - that tenant's failure only
-                rnd.works.append(_Work(i, slot, error=e, span=(start, start, 0.0)))
-                continue
-            works.append((_Work(i, slot), loss, metrics, extra, rng))
-            losses.append(loss)
+        works: list[tuple] = []  # (_Work, loss, metrics, extra, rng)
+        stacks: list[tuple] = []  # (StackedHeads, [(index into works, index in the stack)])
+        for bucket in self._buckets(group, requests, fuse):
+            alone = self._joint_fused(bucket, requests, rows, features, rnd, start, works, stacks) \
+                if len(bucket) > 1 else bucket
+            for i in alone:
+                self._joint_single(i, requests, rows[i], features[i], rnd, start, works)
         if not works:
             return
-        params = [p for w, *_ in works for p in w.slot.params]
+        own = [p for w, *_ in works for p in w.slot.params]
+        stacked = [p for heads, _ in stacks for p in heads.params]
         try:
-            grads = torch.autograd.grad(torch.stack(losses).sum(), params, allow_unused=True)
+            grads = torch.autograd.grad(torch.stack([w[1] for w in works]).sum(), own + stacked, allow_unused=True)
         except Exception as e:  # noqa: BLE001
             for w, *_rest, rng in works:
                 w.slot.generator.set_state(rng)
                 w.error, w.span = e, (start, start, 0.0)
                 rnd.works.append(w)
             return
-        end, at = self.lane.mark(), 0
+        mine, at = [], 0
+        for w, *_ in works:
+            mine.append(list(grads[at:at + len(w.slot.params)]))
+            at += len(w.slot.params)
+        for heads, members in stacks:  # each tenant's slice of its stack's gradients, added to its own
+            part = grads[at:at + len(heads.params)]
+            at += len(heads.params)
+            for k, row in members:
+                for j, pos in enumerate(heads.positions(works[k][0].slot)):
+                    if pos is not None and part[pos] is not None:
+                        mine[k][j] = part[pos][row] if mine[k][j] is None else mine[k][j] + part[pos][row]
+        end = self.lane.mark()
         total = sum(features[w.index].batch_size for w, *_ in works)
-        for w, loss, metrics, extra, rng in works:
-            n = len(w.slot.params)
-            w.pending = Slot.pending(loss, metrics, extra, list(grads[at:at + n]), rng)
-            at += n
+        for (w, loss, metrics, extra, rng), g in zip(works, mine):
+            w.pending = Slot.pending(loss, metrics, extra, g, rng)
             w.span = (start, end, features[w.index].batch_size / total)  # the shared backward, by rows
             rnd.works.append(w)
+
+    def _joint_single(self, i: int, requests: list[Request], rows: RowInputs, feature: VLAFeature, rnd: _Round,
+                      start, works: list) -> None:
+        req, slot = requests[i], self.slots[requests[i].tenant]
+        try:
+            x = slot.fb_inputs(feature, rows)
+            rng = slot.generator.get_state()
+            given = given_draws(req)
+            noise = given if given is not None else slot.draw("loss", x.feature.batch_size) if x.loss is None else {}
+            loss, metrics, extra = slot.objective(x, slot.head_forward(x, noise))
+        except Exception as e:  # noqa: BLE001 - that tenant's failure only
+            rnd.works.append(_Work(i, slot, error=e, span=(start, start, 0.0)))
+            return
+        works.append((_Work(i, slot), loss, metrics, extra, rng))
+
+    def _joint_fused(self, bucket: list[int], requests: list[Request], rows: dict[int, RowInputs],
+                     features: dict[int, VLAFeature], rnd: _Round, start, works: list, stacks: list
+                     ) -> list[int]:
+        """The bucket's losses from one stacked call (`FusedHeads.objectives`), differentiable to the
+        stacked parameters and through each tenant's features; returns the requests to run one by one
+        instead (all of them, if the stacked call fails)."""
+        members, inputs, noises, rngs = [], [], [], []
+        for i in bucket:
+            slot = self.slots[requests[i].tenant]
+            try:
+                x = slot.fb_inputs(features[i], rows[i])
+            except Exception as e:  # noqa: BLE001
+                rnd.works.append(_Work(i, slot, error=e, span=(start, start, 0.0)))
+                continue
+            rngs.append(slot.generator.get_state())
+            noises.append({} if x.loss is not None else slot.draw("loss", x.feature.batch_size))
+            members.append(i)
+            inputs.append(x)
+        if not members:
+            return []
+        slots = [self.slots[requests[i].tenant] for i in members]
+        try:
+            heads, per = self.fused.objectives(slots, inputs, noises)
+        except Exception as e:  # noqa: BLE001 - fall back to the per-tenant path
+            log.warning("fused heads of %d requests failed (%s); running them one by one", len(members), e)
+            for slot, rng in reversed(list(zip(slots, rngs))):  # a tenant twice: back to its first state
+                slot.generator.set_state(rng)
+            return members
+        stacks.append((heads, [(len(works) + k, k) for k in range(len(members))]))
+        for i, slot, rng, (loss, metrics, extra) in zip(members, slots, rngs, per):
+            works.append((_Work(i, slot), loss, metrics, extra, rng))
+        return []
 
     def _heads(self, group: list[int], requests: list[Request], rows: dict[int, RowInputs],
                features: dict[int, VLAFeature], rnd: _Round, fuse: bool) -> None:
@@ -442,7 +494,14 @@ class ModelRunner:
             alone = not getattr(slot.head, "FUSABLE", True) or getattr(requests[i], "noise", None) is not None
             key = ("alone", i) if alone else architecture(slot, _mode(requests[i]))
             buckets.setdefault(key, []).append(i)
-        return list(buckets.values())
+        out = []
+        for bucket in buckets.values():
+            # a head fused by mapping (torch.func.vmap) pays a per-operation cost that two tenants' own
+            # calls do not on a CPU; it says from how many tenants on a device fusing pays
+            least = getattr(self.slots[requests[bucket[0]].tenant].head, "FUSE_FROM", {})
+            device = self.slots[requests[bucket[0]].tenant].device.type
+            out += [bucket] if len(bucket) >= least.get(device, 2) else [[i] for i in bucket]
+        return out
 
     def _single(self, i: int, requests: list[Request], rows: RowInputs, feature: VLAFeature, rnd: _Round) -> None:
         req, slot = requests[i], self.slots[requests[i].tenant]

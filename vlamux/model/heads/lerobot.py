@@ -55,6 +55,11 @@ class LeRobotHead(nn.Module):
     INIT_OPTIONS: tuple = ("lerobot", "cameras", "max_length", "padding", "max_state")
     DEFAULT_OPTIONS: dict = {}  # none a user sets: every option comes from the imported checkpoint
     HAS_VALUE = False
+    # fused by torch.func.vmap: on a CPU its per-operation cost outweighs two tenants' own calls (measured
+    # with bench/vla_groups.py's shapes: π0 tiny inference, 2 tenants 140 ms fused vs 104 one by one; from 4
+    # tenants fusing wins, 201 vs 253 ms); elsewhere from two (on a GPU each tenant's own call is kernel
+    # launches that fusing saves; not yet measured there)
+    FUSE_FROM = {"cpu": 3}
 
     def __init__(self, spec: HeadSpec, feature_dim: int):
         super().__init__()

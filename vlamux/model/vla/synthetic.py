@@ -100,21 +100,24 @@ def _vlm_shapes(family: str, s: Shape, vocab: int, patch: int, positions: int, s
 
 
 def _draw(shapes: dict[str, tuple], g: torch.Generator, dtype: torch.dtype) -> dict[str, Tensor]:
-    """Norm weights near their identity, everything else small: a forward stays finite at any depth."""
-    out = {}
+    """Norm weights near their identity, everything else small: a forward stays finite at any depth.
+    Drawn on the generator's device (a GPU draws a 3B model in a second), handed back on the host."""
+    out, dev = {}, g.device
     for name, shape in shapes.items():
         if len(shape) == 1:
             base = 1.0 if "norm" in name and name.endswith("weight") else 0.0
-            out[name] = (base + 0.02 * torch.randn(shape, generator=g)).to(dtype)
+            x = base + 0.02 * torch.randn(shape, generator=g, device=dev)
         else:
-            out[name] = (torch.randn(shape, generator=g) * (0.5 / shape[-1] ** 0.5)).to(dtype)
+            x = torch.randn(shape, generator=g, device=dev) * (0.5 / shape[-1] ** 0.5)
+        out[name] = x.to(dtype).to("cpu")
     return out
 
 
-def random_checkpoint(family: str, shape: str, out: Path, seed: int = 0, dtype: torch.dtype = torch.float32
-                      ) -> tuple[Path, Path]:
+def random_checkpoint(family: str, shape: str, out: Path, seed: int = 0, dtype: torch.dtype = torch.float32,
+                      device: str | torch.device = "cpu") -> tuple[Path, Path]:
     """Write a random-weight `family` checkpoint of size `shape` (SHAPES) to `out`/ckpt, and the VLM
-    directory it names to `out`/vlm; returns (checkpoint dir, VLM dir)."""
+    directory it names to `out`/vlm; returns (checkpoint dir, VLM dir). `device`: where the weights are
+    drawn (the same seed draws other numbers on another device)."""
     s = SHAPES["smolvla" if family == "smolvla" else "pi0"][shape]
     template = FIXTURES / family
     out = Path(out)
@@ -127,7 +130,7 @@ def random_checkpoint(family: str, shape: str, out: Path, seed: int = 0, dtype: 
     shutil.copytree(FIXTURES / "assets" / VLM_ASSET[family], vlm_dir)
     config = json.loads((ckpt / CONFIG).read_text())
     config["vlamux_random_weights"] = f"{shape}, seed {seed}: random weights, not a trained policy"
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=device).manual_seed(seed)
     if family == "smolvla":
         vcfg = json.loads((vlm_dir / CONFIG).read_text())
         vcfg["text_config"].update(hidden_size=s.width, intermediate_size=s.mlp, num_attention_heads=s.heads,
