@@ -560,7 +560,7 @@ def _array(shape, data=b"", dtype="uint8"):
 def _obs(**over):
     import numpy as np
 
-    from vlamux.api import wire
+    from vlamux import wire
 
     o = {"images": {"agentview": np.zeros((1, 3, 32, 32), np.uint8)}, "state": np.zeros((1, 8), np.float32),
          "instructions": ["touch the red cube"]}

@@ -18,7 +18,7 @@ import pytest
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
-from vlamux.api import wire
+from vlamux import wire
 from vlamux.api.app import create_app
 from vlamux.api.host import ServiceConfig, ServiceHost
 

@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 
 from fastapi.testclient import TestClient  # noqa: E402
 
-from vlamux.api import wire  # noqa: E402
+from vlamux import wire  # noqa: E402
 from vlamux.api.app import create_app  # noqa: E402
 from vlamux.api.host import ServiceConfig, ServiceHost  # noqa: E402
 

@@ -23,7 +23,7 @@ from fastapi.responses import FileResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vlamux.api import wire
+from vlamux import wire
 from vlamux.api.admission import ADMITTED, Admission
 from vlamux.api.errors import ApiError, BodyLimit, error_response, translate
 from vlamux.api.file_routes import add_file_routes

@@ -11,7 +11,7 @@ import uuid
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from vlamux.api import wire
+from vlamux import wire
 from vlamux.api.faults import Conflict, NotFound, QuotaExceeded, TooLarge
 from vlamux.errors import IncompatibleError, InvalidInputError, UnknownTenantError, VlamuxError, public_message
 

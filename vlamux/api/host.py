@@ -146,7 +146,6 @@ class ServiceHost:
                 log.exception("janitor round failed")
 
     def _build_runtime(self):
-        from vlamux.model import BackboneSpec
 
         env = {"allowed_dataset_roots": [self.data_dir / "datasets", self.data_dir / "tenants"]}
         if self.config.ray_address:

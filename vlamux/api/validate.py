@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from vlamux.api import wire
+from vlamux import wire
 from vlamux.api.errors import ApiError, field_of
 
 

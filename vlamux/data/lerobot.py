@@ -38,7 +38,6 @@ import fnmatch
 import io
 import json
 import os
-import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -50,6 +49,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from vlamux.utils.io import atomic_write_text
 from vlamux.data.errors import DatasetError, DatasetFormatError, MissingKeyError
 from vlamux.data.paths import (LEGACY_TEMPLATE_FIELDS, MAX_INDEX, V3_TEMPLATE_FIELDS, PathTemplate, is_dir, is_file,
                                listdir, resolve_inside, scrub, short)
@@ -213,15 +213,7 @@ class ByteLRU:
 
 
 def _write_json_atomic(obj, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=4, ensure_ascii=False)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, json.dumps(obj, indent=4, ensure_ascii=False))
 
 
 def _read_json(path: Path, name: str | None = None) -> Any:

@@ -68,14 +68,6 @@ class ChunkSampler:
         return {"action": self.dataset.norm_stats(self.action_key, mode),
                 "state": None if self.state_key is None else self.dataset.norm_stats(self.state_key, mode)}
 
-    @property
-    def action_stats(self) -> NormStats:
-        return self.dataset.norm_stats(self.action_key)
-
-    @property
-    def state_stats(self) -> NormStats | None:
-        return None if self.state_key is None else self.dataset.norm_stats(self.state_key)
-
     # ---- batches ----
     def __len__(self) -> int:
         """Batches per epoch."""

@@ -45,6 +45,7 @@ import numpy as np
 
 from vlamux.envs.base import ActionSpace, EnvSpec, observation_space
 from vlamux.envs.render import configure_gl
+from vlamux.utils.io import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -100,11 +101,8 @@ def _find_assets(libero_pkg: Path) -> Path:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    if path.exists() and path.read_text() == text:
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    if not (path.exists() and path.read_text() == text):  # another process may be reading it
+        atomic_write_text(path, text)
 
 
 def _quiet_robosuite() -> None:

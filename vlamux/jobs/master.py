@@ -22,6 +22,7 @@ from pathlib import Path
 from vlamux.errors import VlamuxError
 from vlamux.jobs.spec import JobSpec, JobSpecError, load_spec
 from vlamux.model.heads.lerobot import checkpoint_of
+from vlamux.utils.io import atomic_path, atomic_write_text
 from vlamux.workflows.evaluate import evaluate, paired
 from vlamux.workflows.rl import RLRun
 from vlamux.workflows.sft import SFTRun
@@ -282,10 +283,9 @@ class _MetricsFile:
                 fields = next(reader, None) or METRIC_FIELDS
                 kept = list(reader)
             kept = kept if keep is None else kept[:keep]
-            tmp = path.with_suffix(".tmp")
-            with tmp.open("w", newline="") as f:
+            with atomic_path(path) as tmp, tmp.open("x", newline="") as f:
+                # the rows past the checkpoint are gone before any is written again
                 csv.writer(f).writerows([fields, *kept])
-            tmp.replace(path)  # the rows past the checkpoint are gone before any is written again
         self.rows = len(kept)
         self._f = path.open("a" if kept else "w", newline="")
         self._w = csv.DictWriter(self._f, fields, extrasaction="ignore")
@@ -304,6 +304,4 @@ class _MetricsFile:
 
 
 def _write_json(path: Path, data) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(data, indent=1, default=str))

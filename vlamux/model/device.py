@@ -285,11 +285,6 @@ class Lane:
         return start.elapsed_time(end) / 1000.0
 
 
-def pinned_if_cuda() -> bool:
-    """Whether host buffers meant for the device should be pinned (a CUDA device is present)."""
-    return torch.cuda.is_available()
-
-
 def add_device_arguments(parser) -> None:
     """--device and --dtype on an argparse entry point (checked by `parse_device_arguments`)."""
     parser.add_argument("--device", default="auto", help=f"where the model services run: {DEVICE_CHOICES} "

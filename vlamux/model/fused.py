@@ -160,7 +160,6 @@ class FusedHeads:
         losses = torch.stack([p[0] for p in per])
         grads = torch.autograd.grad(losses.sum(), heads.params, allow_unused=True)
         # every request's finiteness from the stacked tensors at once, not tenant by tenant
-        n = len(inputs)
         finite = torch.isfinite(losses.detach())
         present = [g for g in grads if g is not None]
         if present:

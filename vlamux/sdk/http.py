@@ -24,7 +24,7 @@ from typing import Any
 
 import httpx
 
-from vlamux.api import wire
+from vlamux import wire
 from vlamux.sdk.errors import QuotaExceededError, ServiceUnavailableError, VlamuxAPIError, error_from_body
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class HTTP:
                 params: dict | None = None, timeout_s: float | None = None) -> Any:
         """Send one call, retrying what is safe to retry; the decoded answer (None for 204).
 
-        `json` sends a JSON body, `packed` a msgpack body (arrays as `vlamux.api.wire` encodes
+        `json` sends a JSON body, `packed` a msgpack body (arrays as `vlamux.wire` encodes
         them); answers are decoded by their content type.
         """
         method = method.upper()

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-import tempfile
+import uuid
 from pathlib import Path
 
 import torch
@@ -32,19 +33,33 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def atomic_save_safetensors(tensors: dict[str, Tensor], path: str | Path, metadata: dict[str, str]) -> None:
+@contextlib.contextmanager
+def atomic_path(path: str | Path):
+    """A fresh path beside `path` to write the new file to (the caller creates it: it gets the process's
+    usual permissions); on a clean exit it is fsynced and renamed over `path`, so a reader, or a crash at
+    any point, sees the old file or the new one, never half of one. On an error it is removed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        yield tmp
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write_text(path: str | Path, text: str, newline: str | None = None) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "x", newline=newline) as f:
+            f.write(text)
+
+
+def atomic_save_safetensors(tensors: dict[str, Tensor], path: str | Path, metadata: dict[str, str]) -> None:
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
 
 
 def read_verified(path: str | Path, fmt: str, what: str, legacy_ok: bool = False):
