@@ -31,15 +31,24 @@ def timed(fn: Callable[[], object], device: str) -> float:
 
 
 def interleaved_medians(contenders: dict[str, Callable[[], object]], repeats: int, device: str,
-                        min_seconds: float = 0.0, max_rounds: int = 40) -> dict[str, float]:
+                        min_seconds: float = 0.0, max_rounds: int = 40, warm_each: bool = False) -> dict[str, float]:
     """Median seconds per contender, run in alternating order so drift on a shared machine hits all
     alike; at least `repeats` rounds, more (up to `max_rounds`) until each contender has run
-    `min_seconds` in all, so short cells get enough samples to beat the noise."""
+    `min_seconds` in all, so short cells get enough samples to beat the noise.
+
+    warm_each: each timed call follows an untimed call of the same contender. Without it a contender
+    that runs after another one's different modules starts with cold caches, and in alternating order
+    that happens to some more often than to others (A B C D, then D C B A: A always follows itself or
+    B, while B follows C every other round; with A and B one kind of call and C and D another, B is
+    timed cold half the time and A never); with it every timed call is a steady-state one, at twice the
+    time."""
     samples: dict[str, list[float]] = {k: [] for k in contenders}
     names = list(contenders)
     r = 0
     while r < repeats or (r < max_rounds and min(sum(v) for v in samples.values()) < min_seconds):
         for name in (names if r % 2 == 0 else names[::-1]):
+            if warm_each:
+                contenders[name]()
             samples[name].append(timed(contenders[name], device))
         r += 1
     return {k: statistics.median(v) for k, v in samples.items()}

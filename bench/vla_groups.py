@@ -3,7 +3,8 @@
 For SmolVLA- and π0-shaped policies (random weights, `vlamux.model.vla.synthetic`: the fixtures' tiny
 sizes and a `small` shape of a few million parameters), N imported tenants (one checkpoint, each
 tenant's expert then drawn apart) x local batch b, two cameras (64x64, 48x48), an 8-dim state, it
-times in one run, interleaved:
+times in one run, interleaved, each timed call right after an untimed one of the same contender (the
+runner's and the plain modules' weights are different memory: a call after the other kind's starts cold):
   inference  serial: N x (prefix through the VLM + ten flow steps of the tenant's expert)
              grouped: the N prefixes in one VLM forward, then each expert's ten steps on its rows
   train      the same with the flow-matching loss and backward, plus every tenant's optimizer step
@@ -142,7 +143,7 @@ def measure_cell(ckpt: Path, vlm_dir: Path, n: int, b: int, mode: str, repeats: 
                   "dense_split": lambda: [plain.run([i], data, mode, pg) for i in range(n)]}
     for fn in contenders.values():
         fn()
-    t = interleaved_medians(contenders, repeats, device, min_s)
+    t = interleaved_medians(contenders, repeats, device, min_s, warm_each=True)
     out = run(True)()
     speedup, limit = t["serial"] / t["grouped"], t["dense_split"] / t["dense_one"]
     vlm_bytes = sum(x.numel() * x.element_size() for x in backbone.vlm.parameters())
@@ -175,7 +176,7 @@ def main(argv=None) -> int:
     grids = {m: own.get(m, grid) for m in models}
     env = environment(device, dtype)
     config = {"models": [f"{f}:{s}" for f, s in models], "grids": {f"{f}:{s}": g for (f, s), g in grids.items()},
-              "repeats": repeats, "min_seconds": min_s,
+              "repeats": repeats, "min_seconds": min_s, "warm_each": True,
               "weights": "random (vlamux.model.vla.synthetic)", **env}
     result = ResultFile("vla_groups_quick.json" if args.quick else "vla_groups.json", args.out,
                         [f"{f}:{s} " + cell_key(m, n, b) for f, s in models for n, b in grids[(f, s)] for m in MODES],

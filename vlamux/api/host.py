@@ -454,7 +454,7 @@ class ServiceHost:
         out_dir.mkdir(parents=True, exist_ok=True)
         tmp = out_dir / f"{uuid.uuid4().hex}.slot.safetensors"
         try:
-            if version is None and key in self.runtime.training.tenants():
+            if version is None and key in self.runtime.tenants():
                 self.runtime.save_state(key, tmp).result(120)  # the live version, as the trainer holds it
                 source = tmp
             else:
@@ -493,7 +493,10 @@ class ServiceHost:
     def policy_view(self, tenant_id: str, policy_id: str) -> dict:
         rec = self._policy(tenant_id, policy_id)
         key = slot_key(tenant_id, policy_id)
-        version = self.runtime.training.version(key) if key in self.runtime.training.tenants() else None
+        try:
+            version = self.runtime.version(key)  # a live slot's
+        except UnknownTenantError:
+            version = None
         if version is None and rec.kind != "slot":  # an ended job's policy: its newest checkpoint's
             cps = self.store.list_checkpoints(tenant_id, job_id=policy_id)
             version = cps[0].policy_version if cps else None
@@ -555,9 +558,7 @@ class ServiceHost:
             self.store.set_job_state(rec.id, "failed", error=f"{type(e).__name__}: {e}")
             raise
         self.store.set_job_state(rec.id, "running")
-        publisher = getattr(self.runtime, "publisher", None)
-        if publisher is not None:  # the replicas serve the new policy before its id is handed out
-            publisher.flush(30)
+        self.runtime.flush(30)  # the replicas serve the new policy before its id is handed out
         return self.policy_view(tenant_id, rec.id)
 
     def delete_training_slot(self, tenant_id: str, policy_id: str) -> None:
@@ -641,7 +642,7 @@ class ServiceHost:
                 out.set_exception(f.exception())
                 return
             # Calls of a slot run in order, so at completion the slot still holds the saved version.
-            version = self.runtime.training.version(key)
+            version = self.runtime.version(key)
             cp = self.store.add_checkpoint(tenant_id, policy_id, version, str(path), path.stat().st_size,
                                            file_sha256(path))
             out.set_result({"checkpoint": _checkpoint_view(cp)})

@@ -21,9 +21,8 @@ KINDS = ("backbone_s", "head_s", "requests", "env_steps")
 def service_counters(runtime) -> dict[str, dict[str, float]]:
     """Cumulative counters per service-level tenant key, summed over the services."""
     out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    accountings = [runtime.training.accounting] + [r.accounting for r in getattr(runtime, "replicas", {}).values()]
-    for acc in accountings:
-        for key, amounts in acc.snapshot()["tenants"].items():
+    for snapshot in runtime.accounting().values():  # the training service's and each replica's
+        for key, amounts in snapshot["tenants"].items():
             for kind in ("backbone_s", "head_s", "requests"):
                 out[key][kind] += amounts.get(kind, 0.0)
     for key, steps in runtime.environment.env_steps().items():  # one call, however many tenants

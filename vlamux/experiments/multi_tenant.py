@@ -113,9 +113,10 @@ def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny
             _watch(jobs, on_tick, timeout_s)
             walls.append(time.monotonic() - t0)
             process_cpu += time.process_time() - cpu0
-            busy["training"] += rt.training.accounting.busy_s
-            placed = {k: rt.training.metrics()[k] for k in ("device", "dtype")}  # as the service runs
-            busy["inference"] += sum(r.accounting.busy_s for r in rt.replicas.values())
+            acc = rt.accounting()
+            busy["training"] += acc.pop("training")["busy_s"]
+            busy["inference"] += sum(a["busy_s"] for a in acc.values())
+            placed = {k: rt.metrics()["training"][k] for k in ("device", "dtype")}  # as the service runs
             for j in jobs:
                 if j.state != "succeeded":
                     raise RuntimeError(f"job {j.spec.name} {j.state}: {j.error}")

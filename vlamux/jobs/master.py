@@ -149,7 +149,7 @@ class MasterService:
                 _write_json(state_file, {"phase": phase, "step": step, "env_steps": env_steps,
                                          "metric_rows": metrics.rows, **extra})
                 job._emit("checkpoint", {"path": str(ckpt), "phase": phase, "step": step, "env_steps": env_steps,
-                                         "policy_version": svc.training.version(spec.tenant)})
+                                         "policy_version": svc.version(spec.tenant)})
 
             if sft is not None:
                 keep("sft", self._sft(job, sft, metrics, checkpoint, resume))
@@ -167,7 +167,7 @@ class MasterService:
             if spec.head.adapter is not None:  # the adapter as PEFT reads it, beside the slot file
                 result["adapter"] = svc.export_adapter(spec.tenant, job.dir / "adapter").result(120)["path"]
             result["wall_s"] = time.monotonic() - t0
-            result["policy_version"] = svc.training.version(spec.tenant)
+            result["policy_version"] = svc.version(spec.tenant)
             job.result = result
             _write_json(job.dir / "result.json", result)
             ended = "succeeded"
@@ -192,8 +192,7 @@ class MasterService:
             self.services.remove_slot(tenant).result(120)
         except Exception as e:  # noqa: BLE001 - the job's end is told all the same
             log.warning("freeing the slot of %s: %s: %s", tenant, type(e).__name__, e)
-        publisher = getattr(self.services, "publisher", None)
-        if publisher is not None and not publisher.flush(30):
+        if not self.services.flush(30):
             log.warning("freeing the slot of %s: the replicas had not all heard of it after 30 s", tenant)
 
     def _check(self, job: Job) -> None:

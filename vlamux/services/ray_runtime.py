@@ -529,6 +529,20 @@ class RayRuntime:
     def version(self, tenant: str) -> int:
         return ray.get(self.training.version.remote(tenant), timeout=CALL_TIMEOUT_S)
 
+    def tenants(self) -> list[str]:
+        return ray.get(self.training.tenants.remote(), timeout=CALL_TIMEOUT_S)
+
+    def accounting(self) -> dict[str, dict]:
+        with self._lock:
+            replicas = dict(self.replicas)
+        refs = {"training": self.training.accounting.remote(),
+                **{name: h.accounting.remote() for name, h in replicas.items()}}
+        return {name: ray.get(ref, timeout=CALL_TIMEOUT_S) for name, ref in refs.items()}
+
+    def replica_names(self) -> list[str]:
+        with self._lock:
+            return list(self.replicas)
+
     def metrics(self) -> dict:
         """The embedded runtime's `metrics()` layout, gathered from the actors."""
         with self._lock:

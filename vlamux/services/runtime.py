@@ -341,6 +341,26 @@ class EmbeddedRuntime:
         if old is None or old.version <= snap.version:
             self.latest[snap.tenant] = snap
 
+    def version(self, tenant: str) -> int:
+        return self.training.version(tenant)
+
+    def tenants(self) -> list[str]:
+        return self.training.tenants()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every published policy version reached every replica."""
+        return self.publisher.flush(timeout_s)
+
+    def accounting(self) -> dict[str, dict]:
+        with self._lock:
+            replicas = dict(self.replicas)
+        return {"training": self.training.accounting.snapshot(),
+                **{name: r.accounting.snapshot() for name, r in replicas.items()}}
+
+    def replica_names(self) -> list[str]:
+        with self._lock:
+            return list(self.replicas)
+
     # ---- inference --------------------------------------------------------------------------------
     def add_inference_replica(self) -> str:
         index = next(self._names)

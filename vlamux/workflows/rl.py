@@ -212,7 +212,7 @@ class Learner:
     def train(self, segs: list[Segment]) -> None:
         """One update (an optimizer step per epoch) on the rows of `segs` that are fresh enough."""
         cfg, t0 = self.cfg, time.perf_counter()
-        version = self.services.training.version(self.tenant)
+        version = self.services.version(self.tenant)
         parts = [self._rows(seg, version) for seg in segs]
         parts = [p for p in parts if p is not None]
         if not parts:
@@ -374,7 +374,7 @@ class RLRun:
             for seg in segs:
                 pool.release(seg)
             t0 = time.perf_counter()
-            self.services.publisher.flush(self.cfg.timeout_s)  # ... then wait for the weights to reach inference
+            self.services.flush(self.cfg.timeout_s)  # ... then wait for the weights to reach inference
             self.stats.lane_busy_s.setdefault("distribution_wait", 0.0)
             self.stats.lane_busy_s["distribution_wait"] += time.perf_counter() - t0
             self.on_progress(self.stats)
@@ -394,7 +394,7 @@ class RLRun:
                     continue
                 # the chunk asked for at the end of its last segment may be old by now (it waited)
                 behind = sampler.pending is not None and sampler.pending["policy_version"] < \
-                    self.services.training.version(self.tenant)
+                    self.services.version(self.tenant)
                 sampler.fill(seg, fresh_policy=behind)
                 ready.put(seg)
 
