@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from cells import cell_key, parse_grid, parse_models  # noqa: F401 - the benchmarks import them from here
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -42,6 +44,14 @@ def interleaved_medians(contenders: dict[str, Callable[[], object]], repeats: in
     B, while B follows C every other round; with A and B one kind of call and C and D another, B is
     timed cold half the time and A never); with it every timed call is a steady-state one, at twice the
     time."""
+    return {k: statistics.median(v) for k, v in
+            interleaved_samples(contenders, repeats, device, min_seconds, max_rounds, warm_each).items()}
+
+
+def interleaved_samples(contenders: dict[str, Callable[[], object]], repeats: int, device: str,
+                        min_seconds: float = 0.0, max_rounds: int = 40,
+                        warm_each: bool = False) -> dict[str, list[float]]:
+    """Every contender's timed samples, taken as `interleaved_medians` describes."""
     samples: dict[str, list[float]] = {k: [] for k in contenders}
     names = list(contenders)
     r = 0
@@ -51,7 +61,7 @@ def interleaved_medians(contenders: dict[str, Callable[[], object]], repeats: in
                 contenders[name]()
             samples[name].append(timed(contenders[name], device))
         r += 1
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return samples
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str]]) -> None:
@@ -86,11 +96,6 @@ def write_json(name: str, payload, out: str | None = None) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
-
-
-def cell_key(mode: str, n: int, b: int) -> str:
-    """A grid cell's name in a result file's "planned" and "done" lists: "inference 8x1"."""
-    return f"{mode} {n}x{b}"
 
 
 class ResultFile:
@@ -154,20 +159,6 @@ def cell_plan(args, grids: tuple[list, list], repeats: tuple[int, int], seconds:
     k = 0 if args.quick else 1
     grid = parse_grid(args.grid) if args.grid else grids[k]
     return grid, args.repeats or repeats[k], args.min_seconds if args.min_seconds is not None else seconds[k]
-
-
-def parse_grid(text: str) -> list[tuple[int, int]]:
-    """"1:1,8:1" -> [(1, 1), (8, 1)]: the (tenants, local batch) cells to run."""
-    cells = []
-    for part in text.split(","):
-        try:
-            n, b = (int(x) for x in part.split(":"))
-        except ValueError:
-            raise SystemExit(f"--grid: expected N:b pairs separated by commas, got {part!r}") from None
-        if n < 1 or b < 1:
-            raise SystemExit(f"--grid: N and b must be >= 1, got {part!r}")
-        cells.append((n, b))
-    return cells
 
 
 class AllocatorPeaks:

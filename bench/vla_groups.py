@@ -15,6 +15,15 @@ runner's and the plain modules' weights are different memory: a call after the o
 and writes bench/results/vla_groups.json: cells as group_batching's, plus `resident_bytes` (the
 shared VLM once plus N experts, against N whole policies).
 
+The ratios are paired by round: this machine's speed drifts in phases of seconds (the same call takes
+37 ms, then 55-62 ms for ten calls, then 37 ms again), so speedup (serial/grouped), limit (split/one) and
+of-limit are each formed from the four contenders' calls of one round (about a second apart), and the
+cell reports the median over rounds, with its quartiles and every sample ("samples_s"); the ratio of
+the contenders' separate medians is kept as "of_limit_of_medians". At N = 1 grouped and serial run the
+same code, as do the two plain contenders, so those cells' of-limit is 1 plus the estimator's noise.
+Run it with one thread per process (OMP_NUM_THREADS=1) on a 2-core machine: two OpenMP threads stall
+together whenever anything else takes a core, which doubles that noise.
+
     python bench/vla_groups.py           # full grid: N in {1, 2, 4, 8, 16} x b in {1, 4}, both families, both shapes
     python bench/vla_groups.py --quick   # tiny shapes, a few cells
 """
@@ -24,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -32,7 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (ResultFile, add_cell_arguments, cell_key, cell_plan, environment,  # noqa: E402
-                    interleaved_medians, parse_grid, print_table)
+                    interleaved_samples, parse_models, print_table)
 
 from vlamux.model import ForwardBackward, ModelRunner, OptimizerSpec, Sample, build_backbone
 from vlamux.model.backbones import BackboneSpec
@@ -143,14 +153,22 @@ def measure_cell(ckpt: Path, vlm_dir: Path, n: int, b: int, mode: str, repeats: 
                   "dense_split": lambda: [plain.run([i], data, mode, pg) for i in range(n)]}
     for fn in contenders.values():
         fn()
-    t = interleaved_medians(contenders, repeats, device, min_s, warm_each=True)
+    samples = interleaved_samples(contenders, repeats, device, min_s, warm_each=True)
+    t = {k: statistics.median(v) for k, v in samples.items()}
+    rounds = [dict(zip(samples, r)) for r in zip(*samples.values())]
+    speedups = [r["serial"] / r["grouped"] for r in rounds]
+    limits = [r["dense_split"] / r["dense_one"] for r in rounds]
+    of_limits = sorted(s / lim for s, lim in zip(speedups, limits))
     out = run(True)()
-    speedup, limit = t["serial"] / t["grouped"], t["dense_split"] / t["dense_one"]
     vlm_bytes = sum(x.numel() * x.element_size() for x in backbone.vlm.parameters())
     expert_bytes = sum(runner.slot(f"t{i}").memory_bytes()["head"] for i in range(n))
     return {"n_tenants": n, "local_batch": b, "mode": mode, "serial_s": t["serial"], "grouped_s": t["grouped"],
-            "speedup": speedup, "limit_speedup": limit, "of_limit": speedup / limit,
-            "dense_one_s": t["dense_one"], "dense_split_s": t["dense_split"],
+            "speedup": statistics.median(speedups), "limit_speedup": statistics.median(limits),
+            "of_limit": statistics.median(of_limits),
+            "of_limit_quartiles": statistics.quantiles(of_limits, n=4) if len(of_limits) > 1 else of_limits * 3,
+            "of_limit_of_medians": (t["serial"] / t["grouped"]) / (t["dense_split"] / t["dense_one"]),
+            "rounds": len(rounds), "dense_one_s": t["dense_one"], "dense_split_s": t["dense_split"],
+            "samples_s": samples,
             "largest_group": max(r.group_size for r in out),
             "resident_bytes": {"shared": vlm_bytes + expert_bytes, "separate_models": n * vlm_bytes + expert_bytes,
                                "vlm": vlm_bytes, "experts": expert_bytes},
@@ -169,11 +187,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device, dtype = parse_device_arguments(ap, args)
     grid, repeats, min_s = cell_plan(args, (QUICK_GRID, FULL_GRID), (3, 5), (0.2, 0.6))
-    models = [tuple(m.split("=")[0].split(":")) for m in args.models.split(",")] if args.models else \
-        [m for m in MODELS if m[1] == "tiny" or not args.quick]
-    own = {tuple(m.split("=")[0].split(":")): parse_grid(m.split("=")[1].replace("+", ","))
-           for m in (args.models or "").split(",") if "=" in m}
-    grids = {m: own.get(m, grid) for m in models}
+    grids = parse_models(args.models, grid) if args.models else \
+        {m: grid for m in MODELS if m[1] == "tiny" or not args.quick}
+    models = list(grids)
     env = environment(device, dtype)
     config = {"models": [f"{f}:{s}" for f, s in models], "grids": {f"{f}:{s}": g for (f, s), g in grids.items()},
               "repeats": repeats, "min_seconds": min_s, "warm_each": True,

@@ -4,10 +4,13 @@ runs it; `python scripts/device_check.py --plan` prints it."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "bench"))
+from cells import cell_key, parse_grid, parse_models  # noqa: E402 - the benchmarks' own reading of their cells
 
 # The lease (docs/GPU.md): 15 minutes of device time for the machine's start, the transfers, this
 # command and one full rerun of it. The command (scripts/device_prepare.sh prints it) is the check
@@ -140,16 +143,12 @@ def planned_cells(step: Step, dry: bool) -> list[str]:
     script = argv[0]
     placements = ["shared", "split"] if _arg(argv, "--placement", "both") == "both" else [_arg(argv, "--placement")]
     if script in GRID_BENCHES or script == VLA_BENCH:
-        grid = [tuple(int(x) for x in part.split(":")) for part in _arg(argv, "--grid").split(",")]
+        grid = parse_grid(_arg(argv, "--grid"))
         if script != VLA_BENCH:
-            return [f"{mode} {n}x{b}" for n, b in grid for mode in MODES]
-        cells = []
-        for m in _arg(argv, "--models").split(","):  # family:shape, or family:shape=N:b+N:b (its own cells)
-            name, _, own = m.partition("=")
-            cells += [f"{name} {mode} {n}x{b}" for n, b in
-                      ([tuple(int(x) for x in c.split(":")) for c in own.split("+")] if own else grid)
-                      for mode in MODES]
-        return cells
+            return [cell_key(mode, n, b) for n, b in grid for mode in MODES]
+        return [f"{family}:{shape} " + cell_key(mode, n, b)
+                for (family, shape), cells in parse_models(_arg(argv, "--models"), grid).items()
+                for n, b in cells for mode in MODES]
     if script == "bench/inference_serving.py":
         return [f"K={k} {part}" for k in _arg(argv, "--sessions").split(",")
                 for part in ("limit", "baseline", "grouped")]

@@ -1,6 +1,7 @@
 """Both runtimes satisfy the runtime contract (vlamux/services/contract.py): every member it declares,
 with every parameter it names, and the callers outside the services reach nothing else of a runtime."""
 
+import importlib
 import inspect
 import re
 from pathlib import Path
@@ -31,14 +32,16 @@ def accepts(impl, declared) -> list[str]:
     return missing
 
 
-def runtime_classes():
-    classes = [EmbeddedRuntime]
+def with_ray(local, module: str, name: str) -> list:
+    """`local` and, where ray is installed (an extra; the suite installs it), its Ray counterpart."""
     try:
-        from vlamux.services.ray_runtime import RayRuntime
-        classes.append(RayRuntime)
-    except ImportError:  # ray is an extra; the suite installs it
-        pass
-    return classes
+        return [local, getattr(importlib.import_module(module), name)]
+    except ImportError:
+        return [local]
+
+
+def runtime_classes():
+    return with_ray(EmbeddedRuntime, "vlamux.services.ray_runtime", "RayRuntime")
 
 
 @pytest.mark.parametrize("cls", runtime_classes(), ids=lambda c: c.__name__)
@@ -69,3 +72,28 @@ def test_callers_reach_no_runtime_internals():
                 if pattern.search(line):
                     hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert hits == [], "\n".join(hits)
+
+
+def environment_faces():
+    from vlamux.services.environment import EnvironmentService
+
+    return with_ray(EnvironmentService, "vlamux.services.ray_facade", "RayEnvironments")
+
+
+def _params(fn) -> list[tuple]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("cls", environment_faces(), ids=lambda c: c.__name__)
+def test_each_environment_face_has_the_contracts_methods_with_the_services_signatures(cls):
+    """The contract declares the service's own signatures (defaults included), and the Ray face repeats
+    them: a default changed in one place and not the other would change what a job gets on Ray."""
+    from vlamux.services.contract import Environments
+    from vlamux.services.environment import EnvironmentService
+
+    declared = [n for n in dir(Environments) if not n.startswith("_")]
+    for name in declared:
+        assert _params(getattr(cls, name)) == _params(getattr(Environments, name)), f"{cls.__name__}.{name}"
+    for name in (n for n in vars(cls) if not n.startswith("_") and callable(getattr(cls, n))):
+        assert hasattr(EnvironmentService, name), f"{cls.__name__}.{name}: the service has no such method"
+        assert _params(getattr(cls, name)) == _params(getattr(EnvironmentService, name)), f"{cls.__name__}.{name}"

@@ -55,12 +55,18 @@ class StackedHeads:
             setattr(owner, leaf, stacked)
             self.params.append(stacked)
         self.versions = _versions(slots)
+        self._positions: dict[int, list[int | None]] = {}
 
     def positions(self, slot: Slot) -> list[int | None]:
         """For each of `slot`'s trainable parameters (`Slot.params`), its stacked parameter's index, or
         None where it is not stacked (an adapter's)."""
-        at = {id(_param(slot, name)): k for k, name in enumerate(self.names)}
-        return [at.get(id(p)) for p in slot.params]
+        # a stack holds fixed slots, and a slot's parameters are the same tensors for its life (loads
+        # copy into them): the map is made once per slot, not at every training step
+        mine = self._positions.get(id(slot))
+        if mine is None:
+            at = {id(_param(slot, name)): k for k, name in enumerate(self.names)}
+            mine = self._positions[id(slot)] = [at.get(id(p)) for p in slot.params]
+        return mine
 
     def refresh(self, slots: list[Slot]) -> None:
         """Copy the tenants' current weights in, if any changed since the last call."""

@@ -1,8 +1,8 @@
 """The model runner: the one place that touches backbone and head tensors.
 
 `execute(requests)` canonicalises each tenant's request, runs one backbone forward per group,
-splits the features back per request and runs the heads: requests whose heads share an
-architecture as one fused call (`vlamux.model.fused`), the others one by one in their own slots.
+splits the features back per request and runs the heads (`vlamux.model.head_phase`): requests
+whose heads share an architecture as one fused call, the others one by one in their own slots.
 One tenant's failure (bad input, exception, NaN) fails that tenant's result only.
 
 On a GPU nothing here waits for the device until a round's results are complete: inputs arrive
@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -29,25 +29,14 @@ from vlamux.model.backbones import Backbone
 from vlamux.model.batch import CanonicalBatch
 from vlamux.model.device import Lane
 from vlamux.model.feature import VLAFeature
-from vlamux.model.fused import FusedHeads, architecture
-from vlamux.model.group import ForwardBackward, Request, Result, Sample, given_draws, plan_groups
+from vlamux.model.fused import FusedHeads
+from vlamux.model.group import ForwardBackward, Request, Result, Sample, plan_groups
+from vlamux.model.head_phase import BackboneCall, HeadPhase, Round
 from vlamux.model.heads import HeadSpec
 from vlamux.model.memory import MemoryPools
-from vlamux.model.slot import OptimizerSpec, PendingGrads, PolicySnapshot, RowInputs, Slot
+from vlamux.model.slot import OptimizerSpec, PolicySnapshot, RowInputs, Slot
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Work:
-    """Head work queued for one request, waiting for the round's host transfer."""
-
-    index: int
-    slot: Slot
-    pending: PendingGrads | None = None  # forward_backward
-    output: dict | None = None  # sample (device tensors)
-    span: tuple = ()  # (start mark, end mark, this request's share of the span)
-    error: Exception | None = None
 
 
 @dataclass
@@ -58,12 +47,6 @@ class _Ingested:
     @property
     def batch_size(self) -> int:
         return self.batch.batch_size
-
-
-@dataclass
-class _Round:
-    works: list[_Work] = field(default_factory=list)
-    backbone: list[tuple] = field(default_factory=list)  # (request indices, rows, start, end)
 
 
 class ModelRunner:
@@ -81,11 +64,20 @@ class ModelRunner:
         self.max_group_rows = max_group_rows
         self.group_curves: dict[str, GroupCurve] = {}  # learned caps, per backbone (`calibrate`)
         self.slots: dict[str, Slot] = {}
-        self.lane = Lane(backbones[0].device, backbones[0].dtype, priority)  # vlamux.model.device
         self.pools = MemoryPools(backbones[0].device)  # this runner's (its service's) rollout pool
         self.fused = FusedHeads() if fuse_heads else None
+        self.heads = HeadPhase(self.slots, self.fused, Lane(backbones[0].device, backbones[0].dtype, priority))
         # adapter tenants' training calls: how many, and the activations their backward kept
         self.adapter_stats = {"groups": 0, "last_activation_bytes": 0, "peak_activation_bytes": 0}
+
+    @property
+    def lane(self) -> Lane:
+        """The runner's stream, marks and precision (`vlamux.model.device`): the backbone's and the heads'."""
+        return self.heads.lane
+
+    @lane.setter
+    def lane(self, lane: Lane) -> None:
+        self.heads.lane = lane
 
     @property
     def fuse_heads(self) -> bool:
@@ -238,7 +230,7 @@ class ModelRunner:
         with self.lane.active():
             batches = self._ingest(requests, results)
             for indices in self._rounds(requests, sorted(batches)):
-                rnd = _Round()
+                rnd = Round()
                 if grouped:
                     keys = [self.slots[requests[i].tenant].backbone_id for i in indices]
                     rows = [batches[i].batch_size for i in indices]
@@ -294,7 +286,7 @@ class ModelRunner:
         return rounds
 
     def _run_group(self, group: list[int], requests: list[Request], batches: dict[int, _Ingested],
-                   results: list[Result], rnd: _Round, fuse: bool) -> None:
+                   results: list[Result], rnd: Round, fuse: bool) -> None:
         """One backbone call for the group's requests; those that train through the backbone (an
         adapter, query tokens) run apart, with gradients, so that nobody else's rows keep activations
         for a backward (their own call is the no-grad one, unchanged by such tenants beside them)."""
@@ -306,7 +298,7 @@ class ModelRunner:
                 self._run_call(sub, requests, batches, results, rnd, fuse, grad)
 
     def _run_call(self, group: list[int], requests: list[Request], batches: dict[int, _Ingested],
-                  results: list[Result], rnd: _Round, fuse: bool, grad: bool) -> None:
+                  results: list[Result], rnd: Round, fuse: bool, grad: bool) -> None:
         slots = [self.slots[requests[i].tenant] for i in group]
         backbone = self.backbones[slots[0].backbone_id]
         n_layers = max(s.head_spec.feature_layers for s in slots)
@@ -333,15 +325,15 @@ class ModelRunner:
                 return
             results[group[0]].error = e
             return
-        rnd.backbone.append((group, [batches[i].batch_size for i in group], start, self.lane.mark()))
+        rnd.backbone.append(BackboneCall(group, [batches[i].batch_size for i in group], start, self.lane.mark()))
         for i in group:
             results[i].group_size = len(group)
         mine = {i: f.select(slice(None), None, s.head_spec.feature_layers) for i, s, f in zip(group, slots, features)}
         if grad:
             with self.lane.autocast():
-                self._joint(group, requests, {i: batches[i].rows for i in group}, mine, rnd, fuse)
+                self.heads.joint(group, requests, {i: batches[i].rows for i in group}, mine, rnd, fuse)
         else:
-            self._heads(group, requests, {i: batches[i].rows for i in group}, mine, rnd, fuse)
+            self.heads.run(group, requests, {i: batches[i].rows for i in group}, mine, rnd, fuse)
 
     @staticmethod
     @contextlib.contextmanager
@@ -363,107 +355,6 @@ class ModelRunner:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             yield kept
 
-    def _joint(self, group: list[int], requests: list[Request], rows: dict[int, RowInputs],
-               features: dict[int, VLAFeature], rnd: _Round, fuse: bool) -> None:
-        """Forward_backwards that train through the backbone (adapters, query tokens, an imported
-        expert's state token): every loss first, heads of one architecture as one stacked call, then one
-        backward through the heads and the shared backbone call to every head and adapter (each tenant's
-        rows are its own in every layer, so each gradient is its own tenant's, and one NaN stays in its
-        tenant)."""
-        start = self.lane.mark()
-        works: list[tuple] = []  # (_Work, loss, metrics, extra, rng)
-        stacks: list[tuple] = []  # (StackedHeads, [(index into works, index in the stack)])
-        for bucket in self._buckets(group, requests, fuse):
-            alone = self._joint_fused(bucket, requests, rows, features, rnd, start, works, stacks) \
-                if len(bucket) > 1 else bucket
-            for i in alone:
-                self._joint_single(i, requests, rows[i], features[i], rnd, start, works)
-        if not works:
-            return
-        own = [p for w, *_ in works for p in w.slot.params]
-        stacked = [p for heads, _ in stacks for p in heads.params]
-        try:
-            grads = torch.autograd.grad(torch.stack([w[1] for w in works]).sum(), own + stacked, allow_unused=True)
-        except Exception as e:  # noqa: BLE001
-            for w, *_rest, rng in works:
-                w.slot.generator.set_state(rng)
-                w.error, w.span = e, (start, start, 0.0)
-                rnd.works.append(w)
-            return
-        mine, at = [], 0
-        for w, *_ in works:
-            mine.append(list(grads[at:at + len(w.slot.params)]))
-            at += len(w.slot.params)
-        for heads, members in stacks:  # each tenant's slice of its stack's gradients, added to its own
-            part = grads[at:at + len(heads.params)]
-            at += len(heads.params)
-            for k, row in members:
-                for j, pos in enumerate(heads.positions(works[k][0].slot)):
-                    if pos is not None and part[pos] is not None:
-                        mine[k][j] = part[pos][row] if mine[k][j] is None else mine[k][j] + part[pos][row]
-        end = self.lane.mark()
-        total = sum(features[w.index].batch_size for w, *_ in works)
-        for (w, loss, metrics, extra, rng), g in zip(works, mine):
-            w.pending = Slot.pending(loss, metrics, extra, g, rng)
-            w.span = (start, end, features[w.index].batch_size / total)  # the shared backward, by rows
-            rnd.works.append(w)
-
-    def _joint_single(self, i: int, requests: list[Request], rows: RowInputs, feature: VLAFeature, rnd: _Round,
-                      start, works: list) -> None:
-        req, slot = requests[i], self.slots[requests[i].tenant]
-        try:
-            x = slot.fb_inputs(feature, rows)
-            rng = slot.generator.get_state()
-            given = given_draws(req)
-            noise = given if given is not None else slot.draw("loss", x.feature.batch_size) if x.loss is None else {}
-            loss, metrics, extra = slot.objective(x, slot.head_forward(x, noise))
-        except Exception as e:  # noqa: BLE001 - that tenant's failure only
-            rnd.works.append(_Work(i, slot, error=e, span=(start, start, 0.0)))
-            return
-        works.append((_Work(i, slot), loss, metrics, extra, rng))
-
-    def _joint_fused(self, bucket: list[int], requests: list[Request], rows: dict[int, RowInputs],
-                     features: dict[int, VLAFeature], rnd: _Round, start, works: list, stacks: list
-                     ) -> list[int]:
-        """The bucket's losses from one stacked call (`FusedHeads.objectives`), differentiable to the
-        stacked parameters and through each tenant's features; returns the requests to run one by one
-        instead (all of them, if the stacked call fails)."""
-        members, inputs, noises, rngs = [], [], [], []
-        for i in bucket:
-            slot = self.slots[requests[i].tenant]
-            try:
-                x = slot.fb_inputs(features[i], rows[i])
-            except Exception as e:  # noqa: BLE001
-                rnd.works.append(_Work(i, slot, error=e, span=(start, start, 0.0)))
-                continue
-            rngs.append(slot.generator.get_state())
-            noises.append({} if x.loss is not None else slot.draw("loss", x.feature.batch_size))
-            members.append(i)
-            inputs.append(x)
-        if not members:
-            return []
-        slots = [self.slots[requests[i].tenant] for i in members]
-        try:
-            heads, per = self.fused.objectives(slots, inputs, noises)
-        except Exception as e:  # noqa: BLE001 - fall back to the per-tenant path
-            log.warning("fused heads of %d requests failed (%s); running them one by one", len(members), e)
-            for slot, rng in reversed(list(zip(slots, rngs))):  # a tenant twice: back to its first state
-                slot.generator.set_state(rng)
-            return members
-        stacks.append((heads, [(len(works) + k, k) for k in range(len(members))]))
-        for i, slot, rng, (loss, metrics, extra) in zip(members, slots, rngs, per):
-            works.append((_Work(i, slot), loss, metrics, extra, rng))
-        return []
-
-    def _heads(self, group: list[int], requests: list[Request], rows: dict[int, RowInputs],
-               features: dict[int, VLAFeature], rnd: _Round, fuse: bool) -> None:
-        with self.lane.autocast():
-            for bucket in self._buckets(group, requests, fuse):
-                if len(bucket) > 1:
-                    self._fused(bucket, requests, rows, features, rnd)
-                else:
-                    self._single(bucket[0], requests, rows[bucket[0]], features[bucket[0]], rnd)
-
     def run_heads(self, requests: list[Request], features: list[VLAFeature], fuse: bool | None = None
                   ) -> list[Result]:
         """The head phase alone, on given features (one per request, as a backbone gave them): what
@@ -471,116 +362,29 @@ class ModelRunner:
         fuse: fuse same-architecture heads (default: the runner's setting)."""
         results = [Result(r.tenant) for r in requests]
         with self.lane.active():
-            rnd, rows, mine = _Round(), {}, {}
+            rnd, rows, mine = Round(), {}, {}
             for i, (r, f) in enumerate(zip(requests, features)):
                 slot = self.slot(r.tenant)
                 checked = slot.check_rows(r.obs.batch_size, r.obs.state, r.actions, r.action_mask, r.loss, True) \
                     if isinstance(r, ForwardBackward) else slot.check_rows(r.obs.batch_size, r.obs.state)
                 rows[i] = checked.to(slot.device)
                 mine[i] = f.select(slice(None), None, slot.head_spec.feature_layers)
-            self._heads(list(range(len(requests))), requests, rows, mine, rnd,
-                        self.fuse_heads if fuse is None else fuse)
+            self.heads.run(list(range(len(requests))), requests, rows, mine, rnd,
+                           self.fuse_heads if fuse is None else fuse)
             self._finish(rnd, results)
         return results
 
-    def _buckets(self, group: list[int], requests: list[Request], fuse: bool) -> list[list[int]]:
-        """The group's requests by head architecture and call mode, in order; unfused: one each."""
-        if not fuse or self.fused is None:
-            return [[i] for i in group]
-        buckets: dict[tuple, list[int]] = {}
-        for i in group:
-            slot = self.slots[requests[i].tenant]
-            # a head that does not stack (an imported expert), or a request with its own draws, runs alone
-            alone = not getattr(slot.head, "FUSABLE", True) or getattr(requests[i], "noise", None) is not None
-            key = ("alone", i) if alone else architecture(slot, _mode(requests[i]))
-            buckets.setdefault(key, []).append(i)
-        out = []
-        for bucket in buckets.values():
-            # a head fused by mapping (torch.func.vmap) pays a per-operation cost that two tenants' own
-            # calls do not on a CPU; it says from how many tenants on a device fusing pays
-            least = getattr(self.slots[requests[bucket[0]].tenant].head, "FUSE_FROM", {})
-            device = self.slots[requests[bucket[0]].tenant].device.type
-            out += [bucket] if len(bucket) >= least.get(device, 2) else [[i] for i in bucket]
-        return out
-
-    def _single(self, i: int, requests: list[Request], rows: RowInputs, feature: VLAFeature, rnd: _Round) -> None:
-        req, slot = requests[i], self.slots[requests[i].tenant]
-        work = _Work(i, slot)
-        start = self.lane.mark()
-        try:
-            if isinstance(req, ForwardBackward):
-                work.pending = slot.compute(slot.fb_inputs(feature, rows), noise=given_draws(req))
-            else:
-                work.output = slot.sample_rows(feature, rows, req.deterministic, noise=given_draws(req))
-        except Exception as e:  # noqa: BLE001 - one tenant's failure is that tenant's result
-            log.debug("tenant %r request failed: %s", slot.tenant, e)
-            work.error = e
-        work.span = (start, self.lane.mark(), 1.0)
-        rnd.works.append(work)
-
-    def _fused(self, bucket: list[int], requests: list[Request], rows_of: dict[int, RowInputs],
-               features: dict[int, VLAFeature], rnd: _Round) -> None:
-        """One call for the bucket's heads; a request whose inputs are bad fails alone, and if the fused
-        call itself fails, every request of the bucket runs on its own instead."""
-        start = self.lane.mark()
-        works, inputs, noises, rngs = [], [], [], []
-        training = isinstance(requests[bucket[0]], ForwardBackward)
-        for i in bucket:
-            req, slot = requests[i], self.slots[requests[i].tenant]
-            try:
-                if training:
-                    x = slot.fb_inputs(features[i], rows_of[i])
-                    rows = x.feature.batch_size
-                else:
-                    x = slot.sample_inputs(features[i], rows_of[i])
-                    rows = x[0].batch_size
-            except Exception as e:  # noqa: BLE001
-                rnd.works.append(_Work(i, slot, error=e, span=(start, start, 0.0)))
-                continue
-            rngs.append(slot.generator.get_state())
-            purpose = "loss" if training else "sample"
-            noises.append({} if training and req.loss is not None else
-                          slot.draw(purpose, rows, getattr(req, "deterministic", False)))
-            works.append(_Work(i, slot))
-            inputs.append((x, rows))
-        if not works:
-            return
-        slots = [w.slot for w in works]
-        try:
-            if training:
-                pendings = self.fused.forward_backward(slots, [x for x, _ in inputs], noises, rngs)
-                for w, p in zip(works, pendings):
-                    w.pending = p
-            else:
-                outs = self.fused.sample(slots, [x[0] for x, _ in inputs], [x[1] for x, _ in inputs], noises,
-                                         requests[bucket[0]].deterministic)
-                for w, out in zip(works, outs):
-                    w.output = w.slot.finish_sample(out)
-        except Exception as e:  # noqa: BLE001 - fall back to the per-tenant path
-            log.warning("fused heads of %d requests failed (%s); running them one by one", len(works), e)
-            for w, rng in reversed(list(zip(works, rngs))):  # a tenant twice: back to its first state
-                w.slot.generator.set_state(rng)
-            for w in works:
-                self._single(w.index, requests, rows_of[w.index], features[w.index], rnd)
-            return
-        end = self.lane.mark()
-        total = sum(rows for _, rows in inputs)
-        for w, (_, rows) in zip(works, inputs):
-            w.span = (start, end, rows / total)
-            rnd.works.append(w)
-
-    def _finish(self, rnd: _Round, results: list[Result]) -> None:
+    def _finish(self, rnd: Round, results: list[Result]) -> None:
         """Bring the round's outputs to the host (the one wait), then settle each request."""
         payload = [(w.pending.finite, w.pending.out) if w.pending is not None else w.output for w in rnd.works]
         host = self.lane.to_host(payload)
-        for group, rows, start, end in rnd.backbone:
-            seconds, total = self.lane.seconds(start, end), sum(rows)
-            for i, n in zip(group, rows):
+        for call in rnd.backbone:
+            seconds, total = self.lane.seconds(call.start, call.end), sum(call.rows)
+            for i, n in zip(call.requests, call.rows):
                 results[i].backbone_s += seconds * n / total
         for w, out in zip(rnd.works, host):
             res = results[w.index]
-            start, end, share = w.span
-            res.head_s = self.lane.seconds(start, end) * share
+            res.head_s = self.lane.seconds(w.span.start, w.span.end) * w.span.share
             if w.error is not None:
                 res.error = w.error
             elif w.pending is not None:
@@ -592,11 +396,3 @@ class ModelRunner:
             else:
                 res.output = out
 
-
-def _mode(req: Request) -> str:
-    """A request's call mode, part of what fusing needs to match."""
-    if isinstance(req, Sample):
-        return "sample-deterministic" if req.deterministic else "sample"
-    if req.loss is None:
-        return "supervised"
-    return "rl-value" if req.loss.returns is not None else "rl"

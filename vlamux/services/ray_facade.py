@@ -9,49 +9,111 @@ unchanged when `vlamux serve --ray ADDRESS` places the services on a cluster.
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
 
 import ray
 
-from vlamux.services.ray_runtime import CALL_TIMEOUT_S, RayRuntime
-
-# Environment calls that name no session or dataset: asked of every replica, answers merged.
-_ALL_REPLICAS = {"list_sessions": "list", "list_datasets": "list", "tenants": "set"}
+from vlamux.envs.base import EnvSpec
+from vlamux.services.ray_runtime import CALL_TIMEOUT_S, RayRuntime, sum_numbers
 
 
 def _get(ref):
     return ray.get(ref, timeout=CALL_TIMEOUT_S)
 
 
-class _Environment:
+class RayEnvironments:
+    """Every environment replica behind the Environment Service's own methods (the contract's
+    `Environments`): an `open_*` goes to the least loaded replica, a call that names a session or
+    dataset to the replica holding it, and a question about a tenant to every replica, answers merged.
+    Each method has `EnvironmentService`'s signature, defaults included
+    (tests/test_runtime_contract.py compares them)."""
+
     def __init__(self, rt: RayRuntime):
         self._rt = rt
 
-    def __getattr__(self, method: str):
-        if method.startswith("_"):
-            raise AttributeError(method)
-        merge = _ALL_REPLICAS.get(method)
+    def _one(self, method: str, *args, **kwargs):
+        return _get(self._rt.env(method, *args, **kwargs))
 
-        def call(*args, **kwargs):
-            if merge is None:
-                return _get(self._rt.env(method, *args, **kwargs))
-            answers = [_get(r) for r in self._rt.env_all(method, *args, **kwargs).values()]
-            out = [x for a in answers for x in a]
-            return sorted(set(out)) if merge == "set" else out
+    def _all(self, method: str, *args) -> list:
+        return [_get(r) for r in self._rt.env_all(method, *args).values()]
 
-        return call
+    # ---- sessions ---------------------------------------------------------------------------------
+    def open_session(self, tenant: str, spec: EnvSpec | Mapping, n_envs: int, seed: int | None = None,
+                     n_workers: int | None = None, idle_timeout_s: float | None = 300.0, *,
+                     timeout_s: float | None = None, start_timeout_s: float | None = None,
+                     as_observation: bool = False, render_device: int | None = None) -> str:
+        return self._one("open_session", tenant, spec, n_envs, seed, n_workers, idle_timeout_s, timeout_s=timeout_s,
+                         start_timeout_s=start_timeout_s, as_observation=as_observation,
+                         render_device=render_device)
+
+    def reset(self, tenant: str, session_id: str, seed: int | None = None, indices: Sequence[int] | None = None):
+        return self._one("reset", tenant, session_id, seed, indices)
+
+    def step(self, tenant: str, session_id: str, actions):
+        return self._one("step", tenant, session_id, actions)
+
+    def resize_session(self, tenant: str, session_id: str, n_workers: int) -> int:
+        return self._one("resize_session", tenant, session_id, n_workers)
+
+    def close_session(self, tenant: str, session_id: str) -> None:
+        return self._one("close_session", tenant, session_id)
+
+    def session_info(self, tenant: str, session_id: str) -> dict:
+        return self._one("session_info", tenant, session_id)
+
+    def action_spec(self, tenant: str, session_id: str):
+        return self._one("action_spec", tenant, session_id)
+
+    def list_sessions(self, tenant: str) -> list[dict]:
+        return [s for answer in self._all("list_sessions", tenant) for s in answer]
+
+    # ---- datasets ---------------------------------------------------------------------------------
+    def open_dataset(self, tenant: str, root: str | Path, horizon: int, batch_size: int,
+                     camera_map: Mapping[str, str], state_key: str | None = "observation.state",
+                     action_key: str = "action", seed: int = 0, *, idle_timeout_s: float | None = 3600.0,
+                     episodes: Sequence[int] | None = None, cache_mb: float = 512.0,
+                     options: Mapping[str, Any] | None = None) -> str:
+        return self._one("open_dataset", tenant, root, horizon, batch_size, camera_map, state_key, action_key, seed,
+                         idle_timeout_s=idle_timeout_s, episodes=episodes, cache_mb=cache_mb, options=options)
+
+    def sample(self, tenant: str, dataset_id: str):
+        return self._one("sample", tenant, dataset_id)
+
+    def dataset_stats(self, tenant: str, dataset_id: str, mode: str = "mean_std") -> dict:
+        return self._one("dataset_stats", tenant, dataset_id, mode)
+
+    def dataset_info(self, tenant: str, dataset_id: str) -> dict:
+        return self._one("dataset_info", tenant, dataset_id)
+
+    def close_dataset(self, tenant: str, dataset_id: str) -> None:
+        return self._one("close_dataset", tenant, dataset_id)
+
+    def list_datasets(self, tenant: str) -> list[dict]:
+        return [d for answer in self._all("list_datasets", tenant) for d in answer]
+
+    # ---- accounting -------------------------------------------------------------------------------
+    def tenants(self) -> list[str]:
+        return sorted({t for answer in self._all("tenants") for t in answer})
 
     def usage(self, tenant: str) -> dict:
-        answers = [_get(r) for r in self._rt.env_all("usage", tenant).values()]
-        return {"env_steps": sum(a.get("env_steps", 0) for a in answers)}
+        return {"env_steps": sum(a.get("env_steps", 0) for a in self._all("usage", tenant))}
 
     def env_steps(self) -> dict[str, int]:
         """Every tenant's env steps, summed over the replicas: one call to each."""
         out: dict[str, int] = {}
-        for answer in [_get(r) for r in self._rt.env_all("env_steps").values()]:
+        for answer in self._all("env_steps"):
             for tenant, n in answer.items():
                 out[tenant] = out.get(tenant, 0) + n
         return out
+
+    def utilization(self) -> dict:
+        return sum_numbers(self._all("utilization"))
+
+    def metrics(self) -> dict:
+        return sum_numbers(self._all("metrics"))
 
 
 class _Accounting:
@@ -100,7 +162,7 @@ class RayServices:
 
     def __init__(self, rt: RayRuntime):
         self.rt = rt
-        self.environment = _Environment(rt)
+        self.environment = RayEnvironments(rt)
         self.training = _Training(rt)
         self.publisher = _Publisher(rt)
         self._last: dict[str, Future] = {}

@@ -549,7 +549,7 @@ class RayRuntime:
             replicas = dict(self.replicas)
         refs = {n: h.metrics.remote() for n, h in replicas.items()}
         envs = {n: ray.get(r, timeout=CALL_TIMEOUT_S) for n, r in self.env_all("metrics").items()}
-        env = next(iter(envs.values())) if len(envs) == 1 else _sum_numbers(list(envs.values()))
+        env = next(iter(envs.values())) if len(envs) == 1 else sum_numbers(list(envs.values()))
         return {"training": ray.get(self.training.metrics.remote(), timeout=CALL_TIMEOUT_S),
                 "inference": {n: ray.get(r, timeout=CALL_TIMEOUT_S) for n, r in refs.items()},
                 "environment": env,
@@ -820,7 +820,7 @@ def _then(fut: Future, fn) -> Future:
     return out
 
 
-def _sum_numbers(dicts: list[dict]) -> dict:
+def sum_numbers(dicts: list[dict]) -> dict:
     """Several environment replicas' metrics as one: numbers add up (utilisation averages)."""
     out: dict = {}
     for d in dicts:
