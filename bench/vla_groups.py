@@ -33,15 +33,17 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (ResultFile, add_cell_arguments, cell_key, cell_plan, environment,  # noqa: E402
+from common import (RESULTS, ResultFile, add_cell_arguments, cell_key, cell_plan, environment,  # noqa: E402
                     interleaved_samples, parse_models, print_table)
 
 from vlamux.model import ForwardBackward, ModelRunner, OptimizerSpec, Sample, build_backbone
@@ -176,15 +178,26 @@ def measure_cell(ckpt: Path, vlm_dir: Path, n: int, b: int, mode: str, repeats: 
                             "separate_models": round((n * vlm_bytes + expert_bytes) / 1e6, 1)}}
 
 
+def _key(cell: dict) -> str:
+    return f"{cell['family']}:{cell['shape']} " + cell_key(cell["mode"], cell["n_tenants"], cell["local_batch"])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, a few cells")
     ap.add_argument("--models", default=None,
                     help="family:shape,... (default: all four; --quick: the tiny ones); family:shape=N:b+N:b gives "
                          "that model its own cells in place of --grid (a large model's memory)")
+    ap.add_argument("--modes", default=",".join(MODES), help="inference,train (default both)")
+    ap.add_argument("--update", action="store_true",
+                    help="re-measure this run's cells in the existing result file and keep its others; the file "
+                         "lists each run's command and cells under config.runs")
     add_device_arguments(ap)
     add_cell_arguments(ap, "vla_groups", "0.6; --quick 0.2")
     args = ap.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        ap.error(f"--modes: choose from {', '.join(MODES)}")
     device, dtype = parse_device_arguments(ap, args)
     grid, repeats, min_s = cell_plan(args, (QUICK_GRID, FULL_GRID), (3, 5), (0.2, 0.6))
     grids = parse_models(args.models, grid) if args.models else \
@@ -194,9 +207,22 @@ def main(argv=None) -> int:
     config = {"models": [f"{f}:{s}" for f, s in models], "grids": {f"{f}:{s}": g for (f, s), g in grids.items()},
               "repeats": repeats, "min_seconds": min_s, "warm_each": True,
               "weights": "random (vlamux.model.vla.synthetic)", **env}
-    result = ResultFile("vla_groups_quick.json" if args.quick else "vla_groups.json", args.out,
-                        [f"{f}:{s} " + cell_key(m, n, b) for f, s in models for n, b in grids[(f, s)] for m in MODES],
-                        cells=[], config=config)
+    name = "vla_groups_quick.json" if args.quick else "vla_groups.json"
+    planned = [f"{f}:{s} " + cell_key(m, n, b) for f, s in models for n, b in grids[(f, s)] for m in modes]
+    run = {"argv": list(sys.argv[1:] if argv is None else argv), "cells": planned,
+           "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "repeats": repeats, "min_seconds": min_s}
+    kept, runs = [], [run]
+    if args.update:
+        prior = json.loads((Path(args.out) if args.out else RESULTS / name).read_text())
+        kept = [c for c in prior["cells"] if _key(c) not in planned]
+        runs = prior["config"].get("runs") or [{"argv": None, "cells": [_key(c) for c in prior["cells"]],
+                                                "config": prior["config"]}]
+        runs = [{**r, "cells": [k for k in r["cells"] if k not in planned]} for r in runs] + [run]
+        config["models"] = sorted(set(prior["config"]["models"]) | set(config["models"]))
+        config["grids"] = {**prior["config"]["grids"], **config["grids"]}
+    config["runs"] = runs
+    result = ResultFile(name, args.out, [_key(c) for c in kept] + planned, cells=list(kept), config=config)
+    result.done.extend(_key(c) for c in kept)
     cells = result.payload["cells"]
     with tempfile.TemporaryDirectory() as tmp:
         for family, shape in models:
@@ -206,7 +232,7 @@ def main(argv=None) -> int:
             print(f"{family}:{shape}: VLM {backbone.num_parameters() / 1e6:.2f}M params; device={device}, "
                   f"threads={env['threads']}, repeats={repeats}", flush=True)
             for n, b in grids[(family, shape)]:
-                for mode in MODES:
+                for mode in modes:
                     cell = measure_cell(ckpt, vlm_dir, n, b, mode, repeats, min_s, str(device), backbone)
                     cell.update(family=family, shape=shape, preset=f"{family}:{shape}", device=str(device),
                                 dtype=env["dtype"])

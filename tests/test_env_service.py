@@ -48,8 +48,8 @@ def _open(svc, tenant, n_envs=1, **kw):
     return svc.open_session(tenant, kw.pop("spec", SPEC), n_envs, n_workers=1, **kw)
 
 
-def _workers(svc, sid):
-    return svc._sessions[sid].vec.worker_pids()  # the test reaches inside to kill a simulator
+def _workers(svc, sid, tenant="acme"):
+    return svc.worker_pids(tenant, sid)
 
 
 def test_round_trip_shapes_and_observation(svc):

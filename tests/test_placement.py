@@ -26,7 +26,7 @@ def test_services_and_simulators_run_on_their_own_cores():
         threads = [int(t) for t in os.listdir("/proc/self/task")]
         assert all(os.sched_getaffinity(t) == set(services) for t in threads)  # every service thread
         sid = rt.environment.open_session("acme", EnvSpec(**ENV), n_envs=2, n_workers=2)
-        pids = rt.environment._lookup_session("acme", sid).vec.worker_pids()
+        pids = rt.environment.worker_pids("acme", sid)
         assert pids and all(os.sched_getaffinity(pid) == set(sims) for pid in pids)
         rt.environment.close_session("acme", sid)
     assert os.sched_getaffinity(0) == before  # the caller gets its cores back

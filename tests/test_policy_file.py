@@ -10,7 +10,7 @@ import vlamux.policy
 from vlamux.errors import CorruptCheckpointError, IncompatibleError
 from vlamux.model import BackboneSpec, HeadSpec, OptimizerSpec
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
-from vlamux.services.environment import obs_to_observation
+from vlamux.model.batch import obs_to_observation
 
 HEADS = {
     "gaussian": HeadSpec("gaussian", 4, 4, 8, width=32, depth=1),

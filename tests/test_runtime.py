@@ -134,10 +134,10 @@ def test_killed_environment_worker_is_replaced_by_the_health_manager(runtime):
     theirs = env.open_session("bolt", spec, n_envs=1, n_workers=1)
     env.reset("acme", mine, seed=0)
     env.reset("bolt", theirs, seed=0)
-    pid = env._sessions[mine].vec.worker_pids()[0]
+    pid = env.worker_pids("acme", mine)[0]
     os.kill(pid, signal.SIGKILL)
     assert wait_for(lambda: runtime.health.env_replacements >= 1, timeout=15)
-    assert env._sessions[mine].vec.worker_pids()[0] not in (pid, None)
+    assert env.worker_pids("acme", mine)[0] not in (pid, None)
     env.step("bolt", theirs, [[0.0, 0.0, 0.0, 0.0]])  # the other tenant never noticed
     env.reset("acme", mine, seed=1)
     env.step("acme", mine, [[0.0, 0.0, 0.0, 0.0]])

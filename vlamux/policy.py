@@ -28,6 +28,7 @@ from vlamux.errors import IncompatibleError
 from vlamux.model import BackboneSpec, HeadSpec, build_backbone
 from vlamux.model.backbones import spec_from_arg
 from vlamux.model.backbones.base import Backbone
+from vlamux.model.batch import obs_to_observation
 from vlamux.model.group import Sample
 from vlamux.model.runner import ModelRunner
 from vlamux.model.slot import MODULE_PREFIXES, PolicySnapshot
@@ -91,7 +92,6 @@ class Policy:
         noise: a flow policy's starting noise [B, H, A'] (as lerobot's `noise=`), instead of a draw
         (deterministic: zeros)."""
         from vlamux.model.device import to_numpy
-        from vlamux.services.environment import obs_to_observation
 
         if isinstance(obs, dict) and "instructions" in obs and "instruction" not in obs:
             obs = {**obs, "instruction": obs["instructions"]}

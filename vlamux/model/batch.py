@@ -10,8 +10,11 @@ of them to one group batch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -161,3 +164,30 @@ def canonicalize(obs: Observation, schema: InputSchema, tokenizer: ByteTokenizer
         tokens=to_device(tokens, device),
         token_mask=to_device(token_mask, device),
     )
+
+
+def _tensor(a: np.ndarray) -> torch.Tensor:
+    a = np.ascontiguousarray(a)
+    if not a.flags.writeable:  # e.g. unpickled from a read-only buffer; torch wants to own writable memory
+        a = a.copy()
+    return torch.from_numpy(a)
+
+
+def obs_to_observation(obs: Mapping[str, Any]) -> Observation:
+    """A batched env observation (``{"images": {cam: uint8 [B,3,H,W]}, "state": [B,S], "instruction": [B]}``)
+    as the model core's `Observation`. The tensors share memory with the arrays (no copy) unless an array
+    is read-only or not contiguous."""
+    if isinstance(obs, Observation):
+        return obs
+    try:
+        images = {str(c): _tensor(np.asarray(v)) for c, v in obs["images"].items()}
+        state = obs.get("state")
+        if state is not None:
+            state = np.asarray(state)
+            if state.dtype != np.float32:
+                state = state.astype(np.float32)
+            state = _tensor(state)
+        instruction = [str(s) for s in obs["instruction"]]
+    except (KeyError, TypeError, AttributeError) as e:
+        raise InvalidInputError(f"obs: expected a dict with 'images', 'state' and 'instruction' ({e})") from None
+    return Observation(images=images, instruction=instruction, state=state)

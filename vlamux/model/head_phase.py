@@ -100,8 +100,10 @@ class HeadPhase:
                 else:
                     self._single(bucket[0], requests, rows[bucket[0]], features[bucket[0]], rnd)
 
-    def buckets(self, group: list[int], requests: list[Request], fuse: bool) -> list[list[int]]:
-        """The group's requests by head architecture and call mode, in order; unfused: one each."""
+    def buckets(self, group: list[int], requests: list[Request], fuse: bool, joint: bool = False
+                ) -> list[list[int]]:
+        """The group's requests by head architecture and call mode, in order; unfused: one each.
+        joint: the requests train through the backbone (their features carry its graph)."""
         if not fuse or self.fused is None:
             return [[i] for i in group]
         buckets: dict[tuple, list[int]] = {}
@@ -115,9 +117,13 @@ class HeadPhase:
         for bucket in buckets.values():
             # a head fused by mapping (torch.func.vmap) pays a per-operation cost that two tenants' own
             # calls do not on a CPU; it says from how many tenants on a device fusing pays
-            least = getattr(self.slots[requests[bucket[0]].tenant].head, "FUSE_FROM", {})
-            device = self.slots[requests[bucket[0]].tenant].device.type
-            out += [bucket] if len(bucket) >= least.get(device, 2) else [[i] for i in bucket]
+            slot = self.slots[requests[bucket[0]].tenant]
+            least = getattr(slot.head, "FUSE_FROM", {}).get(slot.device.type, 2)
+            # and one fused through the backbone copies each tenant's prefix into the stack and its gradient
+            # back: a head says up to what size of its own that pays on a device
+            most = getattr(slot.head, "JOINT_FUSE_MAX_PARAMS", {}).get(slot.device.type) if joint else None
+            fits = most is None or sum(p.numel() for p in slot.params) <= most
+            out += [bucket] if len(bucket) >= least and fits else [[i] for i in bucket]
         return out
 
     # ---- heads on no-grad features ------------------------------------------------------------------
@@ -201,7 +207,7 @@ class HeadPhase:
         start = self.lane.mark()
         objectives: list[_Objective] = []
         stacks: list[tuple] = []  # (StackedHeads, [(index into objectives, index in the stack)])
-        for bucket in self.buckets(group, requests, fuse):
+        for bucket in self.buckets(group, requests, fuse, joint=True):
             alone = self._joint_fused(bucket, requests, rows, features, rnd, start, objectives, stacks) \
                 if len(bucket) > 1 else bucket
             for i in alone:
@@ -225,7 +231,8 @@ class HeadPhase:
             mine.append(list(grads[at:at + len(w.slot.params)]))
             at += len(w.slot.params)
         for heads, members in stacks:  # each tenant's slice of its stack's gradients, added to its own
-            part = grads[at:at + len(heads.params)]
+            # dense slices for the tenants' optimizers, as FusedHeads.forward_backward makes them
+            part = [None if g is None else g.contiguous() for g in grads[at:at + len(heads.params)]]
             at += len(heads.params)
             for k, row in members:
                 for j, pos in enumerate(heads.positions(objectives[k][0].slot)):

@@ -29,9 +29,11 @@ import torch
 
 from vlamux.errors import UnknownBackboneError, UnknownTenantError
 from vlamux.model import BackboneSpec, HeadSpec, Observation, OptimizerSpec
+from vlamux.model.batch import obs_to_observation
 from vlamux.model.slot import PolicySnapshot
 from vlamux.services.control import PolicyPublisher, Retired
-from vlamux.services.environment import EnvironmentService, check_dataset_root, obs_to_observation
+from vlamux.services.env_inputs import check_dataset_root
+from vlamux.services.environment import EnvironmentService
 from vlamux.services.shipping import Shipment
 from vlamux.services.health import HealthManager, Role
 from vlamux.services.inference import InferenceModelService
@@ -262,7 +264,7 @@ class EnvironmentActor(_Actor):
         return getattr(self.svc, method)(*args, **kwargs)
 
     def worker_pids(self, tenant: str, session_id: str) -> list:
-        return self.svc._lookup_session(tenant, session_id).vec.worker_pids()
+        return self.svc.worker_pids(tenant, session_id)
 
 
 @dataclass

@@ -17,7 +17,7 @@ import numpy as np
 from vlamux.envs import EnvSpec
 from vlamux.errors import VlamuxError
 from vlamux.model.device import to_numpy
-from vlamux.services.environment import obs_to_observation
+from vlamux.model.batch import obs_to_observation
 from vlamux.workflows.rollout import replace_rows
 
 

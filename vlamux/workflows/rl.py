@@ -36,7 +36,7 @@ from vlamux.errors import VlamuxError
 from vlamux.model.device import to_numpy
 from vlamux.model.batch import Observation
 from vlamux.model.policy_loss import PolicyLoss
-from vlamux.services.environment import obs_to_observation
+from vlamux.model.batch import obs_to_observation
 from vlamux.workflows.advantages import gae, group_advantages
 from vlamux.workflows.rollout import Segment, SegmentPool, SegmentShape, gather, replace_rows
 

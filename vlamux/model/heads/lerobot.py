@@ -60,6 +60,11 @@ class LeRobotHead(nn.Module):
     # tenants fusing wins, 201 vs 253 ms); elsewhere from two (on a GPU each tenant's own call is kernel
     # launches that fusing saves; not yet measured there)
     FUSE_FROM = {"cpu": 3}
+    # training through the VLM (SmolVLA's state token) fused: each tenant's prefix keys and values are copied
+    # into the stack and their gradient back; on a CPU that outweighs what fusing saves once the expert is
+    # large (measured with bench/vla_groups.py's shapes, 8 tenants x 1 row, one thread, the forward_backward
+    # call: SmolVLA tiny, 0.2M-parameter experts, 95 ms fused vs 115 one by one; small, 4.8M, 701 vs 528)
+    JOINT_FUSE_MAX_PARAMS = {"cpu": 1_000_000}
 
     def __init__(self, spec: HeadSpec, feature_dim: int):
         super().__init__()
