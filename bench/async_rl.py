@@ -38,18 +38,20 @@ from vlamux.model import HeadSpec, OptimizerSpec  # noqa: E402
 from vlamux.model.backbones import spec_from_arg  # noqa: E402
 from vlamux.model.device import add_device_arguments, dtype_name, parse_device_arguments  # noqa: E402
 from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
+from vlamux.services.contract import Runtime  # noqa: E402
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig  # noqa: E402
 from vlamux.workflows.evaluate import wilson  # noqa: E402
 from vlamux.workflows.rl import RLConfig, RLRun  # noqa: E402
 from vlamux.workflows.sft import SFTConfig, SFTRun  # noqa: E402
 
 
-def lane_counters(rt: EmbeddedRuntime) -> dict:
+def lane_counters(rt: Runtime) -> dict:
     """Busy seconds so far per lane (on Ray the publisher's busy time stays inside the Training actor)."""
+    busy = {name: a["busy_s"] for name, a in rt.accounting().items()}
     return {"sampling": rt.environment.utilization()["busy_s"],
-            "inference": sum(s.accounting.snapshot()["busy_s"] for s in rt.replicas.values()),
-            "training": rt.training.accounting.snapshot()["busy_s"],
-            "distribution": getattr(rt.publisher, "busy_s", 0.0)}
+            "inference": sum(busy[name] for name in rt.replica_names()),
+            "training": busy["training"],
+            "distribution": rt.metrics()["control_plane"].get("busy_s", 0.0)}
 
 
 def make_runtime(kind: str, preset: str, batch_rows: int, threads: int, device: str = "auto", dtype: str = "auto",
@@ -63,16 +65,14 @@ def make_runtime(kind: str, preset: str, batch_rows: int, threads: int, device: 
         return EmbeddedRuntime(RuntimeConfig(**place, inference_queue=queue, **(split_cores() if split else {}))).start()
     import ray
 
-    from vlamux.services.ray_facade import RayServices
     from vlamux.services.ray_runtime import RayRuntime, RayRuntimeConfig
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(include_dashboard=False, log_to_driver=False)
-    return RayServices(RayRuntime(RayRuntimeConfig(**place, inference_queue=queue,
-                                                   torch_threads=threads)).start())
+    return RayRuntime(RayRuntimeConfig(**place, inference_queue=queue, torch_threads=threads)).start()
 
 
-def warm_start(rt: EmbeddedRuntime, head: HeadSpec, tenant: str, image: int, steps: int, demos: int,
+def warm_start(rt: Runtime, head: HeadSpec, tenant: str, image: int, steps: int, demos: int,
                out: Path) -> None:
     """Behaviour-clone `tenant`'s slot on scripted demonstrations and save it to `out` (checkpoints
     belong to their tenant, so each mode's run of this tenant starts by loading it back)."""
@@ -90,7 +90,7 @@ def warm_start(rt: EmbeddedRuntime, head: HeadSpec, tenant: str, image: int, ste
     print(f"  warm start {tenant}: {steps} SFT steps in {time.perf_counter() - t0:.0f}s", flush=True)
 
 
-def run_mode(rt: EmbeddedRuntime, mode: str, tenants: list[str], head: HeadSpec, cfg: RLConfig,
+def run_mode(rt: Runtime, mode: str, tenants: list[str], head: HeadSpec, cfg: RLConfig,
              warm: dict[str, Path] | None = None) -> dict:
     import threading
 
@@ -102,7 +102,7 @@ def run_mode(rt: EmbeddedRuntime, mode: str, tenants: list[str], head: HeadSpec,
         names = [f"{t}-{mode}" for t in tenants]
         for i, name in enumerate(names):
             rt.create_slot(name, head, OptimizerSpec(lr=cfg_lr), seed=100 + i).result(60)
-    assert rt.publisher.flush(30)
+    assert rt.flush(30)
     stats, errors = {}, []
     before = lane_counters(rt)
 

@@ -207,8 +207,14 @@ def plain_heads(heads: list, mode: str, state: torch.Tensor, actions: torch.Tens
 
 def plain_optimizers(heads: list, lr: float = 1e-4) -> list:
     """A plain torch AdamW per head: the optimizer step every tenant of a train cell takes, done
-    without vlamux (the heads' parameters move a little; the timings do not depend on their values)."""
-    return [torch.optim.AdamW(h.parameters(), lr=lr) for h in heads]
+    without vlamux (the heads' parameters move a little; the timings do not depend on their values),
+    as torch's fastest kernel for it (fused, where the device has one)."""
+    return [plain_adamw(h.parameters(), lr) for h in heads]
+
+
+def plain_adamw(params, lr: float) -> torch.optim.AdamW:
+    params = list(params)
+    return torch.optim.AdamW(params, lr=lr, fused=True if params[0].device.type in ("cpu", "cuda") else None)
 
 
 def plain_model(backbone, heads: list, b: int, mode: str, profile) -> dict[str, Callable[[], None]]:

@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (RESULTS, ResultFile, add_cell_arguments, cell_key, cell_plan, environment,  # noqa: E402
-                    interleaved_samples, parse_models, print_table)
+                    interleaved_samples, parse_models, plain_adamw, print_table)
 
 from vlamux.model import ForwardBackward, ModelRunner, OptimizerSpec, Sample, build_backbone
 from vlamux.model.backbones import BackboneSpec
@@ -71,12 +71,12 @@ def observation(b: int, g: torch.Generator) -> tuple[Observation, torch.Tensor]:
 
 
 class Plain:
-    """The policy as plain modules (a VLM, N experts, plain AdamW), with no runner, backbone or slot."""
+    """The policy as plain modules (a VLM, N experts, plain fused AdamW), with no runner, backbone or slot."""
 
     def __init__(self, policy: VLAPolicy, experts: list, lr: float, device, dtype):
         self.p, self.experts, self.device, self.dtype = policy, experts, torch.device(device), dtype
         self.vlm = policy.vlm.to(self.device, dtype)
-        self.opts = [torch.optim.AdamW(e.parameters(), lr=lr) for e in experts]
+        self.opts = [plain_adamw(e.parameters(), lr) for e in experts]
 
     def _on(self, t: torch.Tensor, dtype=None) -> torch.Tensor:
         return t.to(self.device, dtype or t.dtype, non_blocking=True)

@@ -413,7 +413,7 @@ def test_long_polls_hold_no_thread_and_are_capped_per_tenant(tmp_path):
                            json={"name": name, "quotas": {"requests_per_s": 10000}}).json()
             keys[name] = ({"Authorization": f"Bearer {r['api_key']}"}, r["tenant"]["id"])
         pending: Future = Future()
-        view = host._track(keys["poller"][1], "test", pending)
+        view = host.futures.track(keys["poller"][1], "test", pending)
         codes = []
 
         def poll():

@@ -32,9 +32,10 @@ def test_routes_and_a_job_on_ray_services(tmp_path):
     host = ServiceHost(ServiceConfig(data_dir=tmp_path, ray_address="local"))
     admin = host.start()
     try:
-        from vlamux.services.ray_facade import RayServices
+        from vlamux.services.contract import Runtime
+        from vlamux.services.ray_runtime import RayRuntime
 
-        assert isinstance(host.runtime, RayServices)
+        assert isinstance(host.runtime, RayRuntime) and isinstance(host.runtime, Runtime)
         c = TestClient(create_app(host))
         key = c.post("/v1/tenants", json={"name": "acme"}, headers={"Authorization": f"Bearer {admin}"}).json()["api_key"]
         auth = {"Authorization": f"Bearer {key}"}
@@ -67,13 +68,13 @@ def test_routes_and_a_job_on_ray_services(tmp_path):
         assert view["state"] == "succeeded", view["error"]
         assert view["result"]["sft"]["steps"] == 6 and c.get(f"/v1/jobs/{job}/checkpoints", headers=auth).json()["checkpoints"]
         # its slot is gone from the training actor and the replica; its policy is served from its checkpoint
-        assert not any(t.endswith(job) for t in host.runtime.training.tenants())
+        assert not any(t.endswith(job) for t in host.runtime.tenants())
         out = wire.loads(c.post(f"/v1/policies/{job}/predict", content=wire.dumps({"observation": obs}),
                                 headers={**auth, **MSGPACK}).content)
         assert out["actions"].shape == (2, 4, 4) and out["policy_version"] == 6
         # a deleted training slot leaves the actors too; its calls answer 404
         assert c.delete(f"/v1/training/slots/{pid}", headers=auth).status_code == 204
-        assert not any(t.endswith(pid) for t in host.runtime.training.tenants())
+        assert not any(t.endswith(pid) for t in host.runtime.tenants())
         assert c.post(f"/v1/training/slots/{pid}/optim_step", json={}, headers=auth).status_code == 404
 
         host.meter.tick()

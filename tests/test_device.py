@@ -12,7 +12,7 @@ import torch
 
 from conftest import (BF16_LOSS_REL, TENANTS, assert_losses_agree, make_runner, tenant_batches,
                       train_grouped_and_serial)
-from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, OptimizerSpec, Sample, Slot, build_backbone
+from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, Sample, Slot, build_backbone
 from vlamux.model.device import Lane, resolve_device, resolve_dtype, to_device, to_numpy
 from vlamux.model.memory import MemoryPools, device_memory
 

@@ -67,7 +67,7 @@ def rt(cluster):
 
 
 def test_core_pinning_is_refused_on_ray():
-    with pytest.raises(ValueError, match="service_cpus / env_cpus pin cores .* on Ray place each role"):
+    with pytest.raises(TypeError, match="service_cpus"):  # the embedded runtime's: on Ray each role is placed
         RayRuntimeConfig(backbone=BackboneSpec(preset="tiny"), service_cpus=(0,), env_cpus=(1,))
 
 
@@ -111,15 +111,15 @@ def test_concurrent_requests_equal_serial_execution(rt, backbone):
 def test_data_plane_moves_by_reference(rt):
     rt.create_slot("robot", HeadSpec("gaussian", action_dim=4, horizon=8, state_dim=8)).result(120)
     assert rt.flush(60)
-    sid = ray.get(rt.env("open_session", "robot", EnvSpec(task="goal/touch-red-cube", image_size=32), 2, 0, 1))
-    obs_ref, _ = rt.environment.reset.remote("robot", sid, 0)
+    sid = rt.environment.open_session("robot", EnvSpec(task="goal/touch-red-cube", image_size=32), 2, 0, 1)
+    obs_ref, _ = rt.environment.reset_refs("robot", sid, 0)
     assert isinstance(obs_ref, ray.ObjectRef)
     out = rt.predict("robot", obs_ref).result(120)  # the env actor's observations go straight to a replica
     assert out["actions"].shape == (2, 8, 4) and out["policy_version"] == 0
-    obs_ref, rest_ref = rt.environment.step.remote("robot", sid, out["actions"].numpy())
+    obs_ref, rest_ref = rt.environment.step_refs("robot", sid, out["actions"].numpy())
     reward, term, trunc, infos = ray.get(rest_ref)
     assert reward.shape == (2,) and rt.predict("robot", obs_ref).result(120)["actions"].shape == (2, 8, 4)
-    ray.get(rt.env("close_session", "robot", sid))
+    rt.environment.close_session("robot", sid)
 
 
 def test_killed_inference_replica_restarts_and_requests_keep_succeeding(rt):
@@ -178,18 +178,18 @@ def test_elastic_add_and_remove(rt):
 
 def test_killed_environment_worker_is_replaced(rt):
     spec = EnvSpec(task="goal/touch-red-cube", image_size=16)
-    sid = ray.get(rt.env("open_session", "acme", spec, 1, 0, 1))
-    ray.get(rt.env("reset", "acme", sid, 0))
-    pid = ray.get(rt.environment.worker_pids.remote("acme", sid))[0]
+    sid = rt.environment.open_session("acme", spec, 1, 0, 1)
+    rt.environment.reset("acme", sid, 0)
+    pid = rt.environment.worker_pids("acme", sid)[0]
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 60
     while rt.health.env_replacements < 1 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert rt.health.env_replacements >= 1
-    assert ray.get(rt.environment.worker_pids.remote("acme", sid))[0] not in (pid, None)
-    ray.get(rt.env("reset", "acme", sid, 1))
-    ray.get(rt.env("step", "acme", sid, np.zeros((1, 4), np.float32)))
-    ray.get(rt.env("close_session", "acme", sid))
+    assert rt.environment.worker_pids("acme", sid)[0] not in (pid, None)
+    rt.environment.reset("acme", sid, 1)
+    rt.environment.step("acme", sid, np.zeros((1, 4), np.float32))
+    rt.environment.close_session("acme", sid)
 
 
 def test_versions_switch_atomically_across_the_cluster(rt):
@@ -252,26 +252,25 @@ def test_environment_replicas_are_elastic(rt):
     """Sessions spread over environment replicas, each call reaches the replica holding its session,
     a replica added while a tenant steps takes new sessions, and a removed one drains first."""
     spec = EnvSpec(task="goal/touch-red-cube", image_size=16)
-    first = next(iter(rt.environments))
-    sid_a = ray.get(rt.env("open_session", "acme", spec, 1, 0, 1))
-    ray.get(rt.env("reset", "acme", sid_a, 0))
+    first = next(iter(rt.environment.replicas))
+    sid_a = rt.environment.open_session("acme", spec, 1, 0, 1)
+    rt.environment.reset("acme", sid_a, 0)
     added = rt.add_environment_replica()
-    sid_b = ray.get(rt.env("open_session", "bolt", spec, 1, 0, 1))  # the emptier replica takes it
+    sid_b = rt.environment.open_session("bolt", spec, 1, 0, 1)  # the emptier replica takes it
     assert sid_a.startswith(first + ".") and sid_b.startswith(added + ".")
-    ray.get(rt.env("reset", "bolt", sid_b, 0))
-    with pytest.raises(ValueError, match="env_all"):
-        rt.env("metrics")
-    assert set(ray.get(list(rt.env_all("metrics").values()))[i]["open_sessions"] for i in range(2)) == {1}
+    rt.environment.reset("bolt", sid_b, 0)
+    assert [m["open_sessions"] for m in rt.environment.replica_metrics().values()] == [1, 1]
+    assert rt.environment.metrics()["open_sessions"] == 2  # the replicas' figures, summed
 
     stepped, errors, stop = [], [], threading.Event()
 
     def acme_steps():  # acme keeps stepping on the replica being drained
         while not stop.is_set():
             try:
-                _, _, term, trunc, _ = ray.get(rt.env("step", "acme", sid_a, np.zeros((1, 4), np.float32)))
+                _, _, term, trunc, _ = rt.environment.step("acme", sid_a, np.zeros((1, 4), np.float32))
                 stepped.append(1)
                 if term[0] or trunc[0]:
-                    ray.get(rt.env("reset", "acme", sid_a))
+                    rt.environment.reset("acme", sid_a)
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
                 return
@@ -280,17 +279,17 @@ def test_environment_replicas_are_elastic(rt):
     th.start()
     with pytest.raises(TimeoutError, match="keeps draining"):
         rt.remove_environment_replica(first, timeout_s=1.0)
-    sid_c = ray.get(rt.env("open_session", "acme", spec, 1, 0, 1))  # a draining replica takes no new sessions
+    sid_c = rt.environment.open_session("acme", spec, 1, 0, 1)  # a draining replica takes no new sessions
     assert sid_c.startswith(added + ".")
     stop.set()
     th.join(60)
     assert errors == [] and len(stepped) > 0
-    ray.get(rt.env("close_session", "acme", sid_a))
+    rt.environment.close_session("acme", sid_a)
     rt.remove_environment_replica(first, timeout_s=30)
-    assert list(rt.environments) == [added] and first not in rt.health.roles
+    assert list(rt.environment.replicas) == [added] and first not in rt.health.roles
     for tenant, sid in (("bolt", sid_b), ("acme", sid_c)):
-        ray.get(rt.env("reset", tenant, sid, 1))
-        ray.get(rt.env("close_session", tenant, sid))
+        rt.environment.reset(tenant, sid, 1)
+        rt.environment.close_session(tenant, sid)
     with pytest.raises(ValueError, match="last environment replica"):
         rt.remove_environment_replica(added)
 
@@ -327,8 +326,8 @@ def test_no_directory_is_shared_between_the_driver_and_the_actors(cluster, tmp_p
     driver said, a restarted training actor restores from it, and a dataset keeps sampling after the
     driver's copy is gone."""
     from vlamux.data.demos import generate
-    from vlamux.data.lerobot import DatasetError
-    from vlamux.model.slot import read_slot_file
+    from vlamux.data.errors import DatasetError
+    from vlamux.model.slot_file import read_slot_file
 
     driver = tmp_path / "driver"
     generate(["goal/touch-red-cube"], 3, driver / "datasets" / "tiny", image_size=32, workers=1, progress=None)
@@ -347,14 +346,15 @@ def test_no_directory_is_shared_between_the_driver_and_the_actors(cluster, tmp_p
     try:
         head = HeadSpec("l1_chunk", 4, 4, 8, width=32, depth=1)
         rt.create_slot("acme", head, OptimizerSpec(lr=1e-3), seed=5).result(120)
-        ds = ray.get(rt.env("open_dataset", "acme", "datasets/tiny", 4, 4,
-                            {"observation.images.agentview": "agentview", "observation.images.wrist": "wrist"}))
-        root = ray.get(rt.env("dataset_info", "acme", ds))["root"]
+        ds = rt.environment.open_dataset("acme", "datasets/tiny", 4, 4,
+                                         {"observation.images.agentview": "agentview",
+                                          "observation.images.wrist": "wrist"})
+        root = rt.environment.dataset_info("acme", ds)["root"]
         assert root.startswith(str(tmp["environment"])), root  # the environment actor reads its own copy
         with pytest.raises(DatasetError, match="outside"):
-            ray.get(rt.env("open_dataset", "acme", str(tmp_path), 4, 4, {}))
+            rt.environment.open_dataset("acme", str(tmp_path), 4, 4, {})
         for _ in range(2):
-            obs, act, mask = ray.get(rt.env("sample", "acme", ds))
+            obs, act, mask = rt.environment.sample("acme", ds)
             rt.forward_backward("acme", obs, act, mask).result(120)
             rt.optim_step("acme").result(120)
         saved = rt.save_state("acme", "ckpt/acme.safetensors").result(120)
@@ -366,7 +366,7 @@ def test_no_directory_is_shared_between_the_driver_and_the_actors(cluster, tmp_p
         import shutil
 
         shutil.rmtree(driver / "datasets" / "tiny")  # the environment actor samples from its own copy
-        obs, act, mask = ray.get(rt.env("sample", "acme", ds))
+        obs, act, mask = rt.environment.sample("acme", ds)
         rt.forward_backward("acme", obs, act, mask).result(120)
         rt.optim_step("acme").result(120)
         assert rt.version("acme") == 3

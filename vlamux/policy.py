@@ -31,7 +31,8 @@ from vlamux.model.backbones.base import Backbone
 from vlamux.model.batch import obs_to_observation
 from vlamux.model.group import Sample
 from vlamux.model.runner import ModelRunner
-from vlamux.model.slot import MODULE_PREFIXES, PolicySnapshot
+from vlamux.model.slot import PolicySnapshot
+from vlamux.model.slot_file import MODULE_PREFIXES
 from vlamux.utils.io import atomic_save_safetensors, read_verified, tensors_sha256
 
 FORMAT = "vlamux.policy/1"
@@ -52,7 +53,7 @@ def write_policy(snap: PolicySnapshot, backbone: Backbone | str, path: str | Pat
 
 def snapshot_of(slot_file: str | Path) -> PolicySnapshot:
     """The policy in a slot checkpoint (verified): its module and statistics, without the optimizer."""
-    from vlamux.model.slot import read_slot_file
+    from vlamux.model.slot_file import read_slot_file
 
     tensors, meta = read_slot_file(slot_file)
     keep = {k: v for k, v in tensors.items() if k.startswith((*MODULE_PREFIXES, "stats."))}

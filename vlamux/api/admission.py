@@ -33,10 +33,10 @@ class Admission:
         auth = dict(scope.get("headers") or []).get(b"authorization", b"")
         p = None
         if auth[:7].lower() == b"bearer ":
-            p = self.host.cached_principal(auth[7:].decode("latin-1").strip())
-        if TTLCache.missing(p) or p is None or p.is_admin or not self.host.quotas_cached(p.tenant_id):
+            p = self.host.access.cached_principal(auth[7:].decode("latin-1").strip())
+        if TTLCache.missing(p) or p is None or p.is_admin or not self.host.access.quotas_cached(p.tenant_id):
             return await self.app(scope, receive, send)  # the route's dependency decides, off the loop
-        wait = self.host.take_rate(p.tenant_id)
+        wait = self.host.access.take_rate(p.tenant_id)
         if wait <= 0:
             scope.setdefault("state", {})[ADMITTED] = p
             return await self.app(scope, receive, send)
@@ -47,7 +47,7 @@ class Admission:
                 await asyncio.sleep(self.hold_s)  # a whole hold_s even when a token comes sooner
             finally:
                 self._held[p.tenant_id] -= 1
-        rate = float(self.host.quotas(p.tenant_id)["requests_per_s"])
+        rate = float(self.host.access.quotas(p.tenant_id)["requests_per_s"])
         refusal = error_response(429, "rate_limited", f"rate limited: more than {rate:g} requests/s",
                                  headers={"Retry-After": str(max(1, math.ceil(wait)))})
         await refusal(scope, receive, send)

@@ -27,7 +27,8 @@ from vlamux import wire
 from vlamux.api.admission import ADMITTED, Admission
 from vlamux.api.errors import ApiError, BodyLimit, error_response, translate
 from vlamux.api.file_routes import add_file_routes
-from vlamux.api.host import NotFound, Principal, ServiceHost, json_safe
+from vlamux.api.access import Principal
+from vlamux.api.host import NotFound, ServiceHost, json_safe
 from vlamux.api.keycache import TTLCache
 from vlamux.api.validate import (MSGPACK, MSGPACK_OUT, KeyIn, LoadStateIn, OptimStepIn, QuotasIn, ResetIn, SessionIn,
                                  SlotIn, TenantIn, check_env, check_head, check_optimizer, env_error, fits_head,
@@ -78,17 +79,17 @@ def create_app(host: ServiceHost) -> FastAPI:
             raise ApiError(401, "unauthenticated", "missing 'Authorization: Bearer <api key>'",
                            headers={"WWW-Authenticate": "Bearer"})
         secret = auth[7:].strip()
-        p = host.cached_principal(secret)
+        p = host.access.cached_principal(secret)
         if TTLCache.missing(p):  # the store is read on a worker thread, never on the event loop
-            p = await run_in_threadpool(host.authenticate, secret)
+            p = await run_in_threadpool(host.access.authenticate, secret)
         if p is None:
             raise ApiError(401, "unauthenticated", "unknown, revoked or disabled API key",
                            headers={"WWW-Authenticate": "Bearer"})
         if request.scope.get("state", {}).get(ADMITTED) == p:  # counted at the front door already
             return p
-        if not p.is_admin and not host.quotas_cached(p.tenant_id):
-            await run_in_threadpool(host.quotas, p.tenant_id)
-        host.admit(p)
+        if not p.is_admin and not host.access.quotas_cached(p.tenant_id):
+            await run_in_threadpool(host.access.quotas, p.tenant_id)
+        host.access.admit(p)
         return p
 
     async def tenant(p: Principal = Depends(principal)) -> str:
@@ -177,7 +178,7 @@ def create_app(host: ServiceHost) -> FastAPI:
         t = _admin_tenant(tenant_id)
         quotas = {**(t.quotas or {}), **body.model_dump(exclude_none=True)}
         host.store.set_quotas(tenant_id, quotas)
-        host.forget(tenant_id=tenant_id)
+        host.access.forget(tenant_id=tenant_id)
         return {"tenant": _tenant_view(host, host.store.get_tenant(tenant_id))}
 
     @app.post("/v1/keys", status_code=201)
@@ -200,7 +201,7 @@ def create_app(host: ServiceHost) -> FastAPI:
     def revoke_key(key_id: str, t: str = Depends(tenant)):
         if not host.store.revoke_key(key_id, t):
             raise NotFound(f"no key {key_id!r}")
-        host.forget(key_id=key_id)
+        host.access.forget(key_id=key_id)
         return Response(status_code=204)
 
     # ---- datasets and jobs -----------------------------------------------------------------
@@ -261,7 +262,7 @@ def create_app(host: ServiceHost) -> FastAPI:
                 raise invalid("last-event-id", f"expected an event id this stream sent, got {last[:40]!r}")
             since = int(last)
         hold = contextlib.ExitStack()
-        hold.enter_context(host.long_poll(t))  # counted with the tenant's long polls: 429 past the cap
+        hold.enter_context(host.futures.long_poll(t))  # counted with the tenant's long polls: 429 past the cap
 
         async def stream():
             try:
@@ -406,18 +407,18 @@ def create_app(host: ServiceHost) -> FastAPI:
     async def future(future_id: str, wait: float = Query(default=0.0, ge=0.0, le=30.0), t: str = Depends(tenant)):
         # A long poll waits on the event loop for the future's callback: it holds no worker thread, so
         # many waiters cannot starve other requests of threads (they are capped per tenant as well).
-        fut = host.future(t, future_id)
-        if wait > 0 and not fut.done():
-            with host.long_poll(t):
-                await _until_done(fut, wait)
-        return {"future": host.future_view(t, future_id)}
+        tracked = host.futures.get(t, future_id)
+        if wait > 0 and not tracked.future.done():
+            with host.futures.long_poll(t):
+                await _until_done(tracked.future, wait)
+        return {"future": tracked.view()}
 
     # ---- environment sessions --------------------------------------------------------------
     @app.post("/v1/sessions", status_code=201)
     def open_session(body: SessionIn, t: str = Depends(tenant)):
         check_env(body.env)
         try:
-            info = host.open_session(t, body.env, body.n_envs, body.seed)
+            info = host.sessions.open(t, body.env, body.n_envs, body.seed)
         except (InvalidInputError, EnvError) as e:
             if isinstance(e, (TimeoutError, EnvWorkerCrashed)):  # the service's trouble, not the spec's
                 raise
@@ -426,16 +427,16 @@ def create_app(host: ServiceHost) -> FastAPI:
 
     @app.get("/v1/sessions")
     def sessions(t: str = Depends(tenant)):
-        return {"sessions": [_session_view(s) for s in host.runtime.environment.list_sessions(t)]}
+        return {"sessions": [_session_view(s) for s in host.sessions.list(t)]}
 
     @app.post("/v1/sessions/{session_id}/reset", responses=MSGPACK_OUT)
     def reset(session_id: str, body: ResetIn | None = None, t: str = Depends(tenant)):
-        obs, _ = host.runtime.environment.reset(t, session_id, seed=body.seed if body else None)
+        obs, _ = host.sessions.reset(t, session_id, seed=body.seed if body else None)
         return packed({"observation": obs_out(obs)})
 
     @app.post("/v1/sessions/{session_id}/step", openapi_extra=MSGPACK, responses=MSGPACK_OUT)
     def step(session_id: str, t: str = Depends(tenant), raw: bytes = Depends(msgpack_body)):
-        host.runtime.environment.session_info(t, session_id)  # an unknown session: 404 before decoding
+        host.sessions.info(t, session_id)  # an unknown session: 404 before decoding
         body = wire.loads(raw)
         if not isinstance(body, dict):
             raise ApiError(422, "invalid_input", "body: expected a map with 'actions'", "body")
@@ -446,7 +447,7 @@ def create_app(host: ServiceHost) -> FastAPI:
             a = a.astype(np.float32)  # before the check: a float64 1e300 is infinite as float32
         if not np.isfinite(a).all():
             raise invalid("actions", "contains NaN or infinity (as float32)")
-        obs, reward, term, trunc, infos = host.runtime.environment.step(t, session_id, a)
+        obs, reward, term, trunc, infos = host.sessions.step(t, session_id, a)
         success = [bool(i.get("success", False)) if isinstance(i, dict) else False for i in (infos or [])]
         return packed({"observation": obs_out(obs), "reward": np.asarray(reward, np.float32),
                        "terminated": np.asarray(term, bool), "truncated": np.asarray(trunc, bool),
@@ -454,7 +455,7 @@ def create_app(host: ServiceHost) -> FastAPI:
 
     @app.delete("/v1/sessions/{session_id}", status_code=204)
     def close_session(session_id: str, t: str = Depends(tenant)):
-        host.close_session(t, session_id)
+        host.sessions.close(t, session_id)
         return Response(status_code=204)
 
     # ---- usage -----------------------------------------------------------------------------
@@ -473,7 +474,7 @@ def create_app(host: ServiceHost) -> FastAPI:
 
 def _tenant_view(host: ServiceHost, t) -> dict:
     return {"id": t.id, "name": t.name, "disabled": t.disabled, "created_at": t.created_at,
-            "quotas": host.quotas(t.id)}
+            "quotas": host.access.quotas(t.id)}
 
 
 def _key_view(k) -> dict:

@@ -10,7 +10,6 @@ jobs and training slots at once, and their states never mix. A job's policy id i
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import logging
 import os
@@ -21,25 +20,30 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from vlamux.api.access import Access
 from vlamux.api.faults import Conflict, NotFound, QuotaExceeded
-from vlamux.api.keycache import TTLCache
-from vlamux.api.metering import Meter, RateLimiter
+from vlamux.api.futures import Futures, jsonable
+from vlamux.api.metering import Meter
 from vlamux.api.served import ServedPolicies
-from vlamux.api.quotas import WHAT, Ledger, Need, QuotaRefused, session_processes
+from vlamux.api.sessions import Sessions, check_allowed
+from vlamux.api.quotas import WHAT, Ledger, Need, QuotaRefused
 from vlamux.api.tenant_files import TenantFiles
 from vlamux.errors import CorruptCheckpointError, InvalidInputError, UnknownTenantError, public_message
 from vlamux.jobs.master import MasterService
 from vlamux.jobs.spec import JobSpecError, load_spec
-from vlamux.model.slot import read_slot_file
-from vlamux.store import Store, secret_digest
+from vlamux.model.slot_file import read_slot_file
+from vlamux.store import Store
 from vlamux.utils.io import file_sha256
+
+if TYPE_CHECKING:  # the contract, for annotations only
+    from vlamux.services.contract import Runtime
 
 log = logging.getLogger(__name__)
 
 DEFAULT_QUOTAS = {"max_concurrent_jobs": 4, "max_training_slots": 8, "max_env_sessions": 8, "max_envs": 64,
                   "max_env_processes": 16, "max_dataset_mb": 2048, "requests_per_s": 50.0}
-FUTURE_TTL_S = 600.0  # a finished future's result is kept this long for the client to read
 
 
 @dataclass
@@ -74,49 +78,27 @@ class ServiceConfig:
     gym_envs: dict = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class Principal:
-    key_id: str
-    tenant_id: str | None  # None: the admin
-
-    @property
-    def is_admin(self) -> bool:
-        return self.tenant_id is None
-
-
-@dataclass
-class _Future:
-    id: str
-    tenant_id: str
-    op: str
-    future: Future
-    created: float = field(default_factory=time.time)
-    done_at: float | None = None
-
-
 def slot_key(tenant_id: str, policy_id: str) -> str:
     return f"{tenant_id}/{policy_id}"
 
 
 class ServiceHost:
-    def __init__(self, config: ServiceConfig | None = None, runtime=None):
+    def __init__(self, config: ServiceConfig | None = None, runtime: Runtime | None = None):
         self.config = config or ServiceConfig()
         self.data_dir = Path(self.config.data_dir)
         self.store = Store(self.config.store_url, self.data_dir)
         self._runtime = runtime
-        self.runtime = None
+        self.runtime: Runtime | None = None
         self.master: MasterService | None = None
         self.meter: Meter | None = None
-        self.limiter = RateLimiter()
-        self._principals = TTLCache(self.config.auth_cache_s)  # secret digest -> Principal | None
-        self._quotas = TTLCache(self.config.auth_cache_s)  # tenant id -> quotas
+        self.access = Access(self.store, self.config.default_quotas, self.config.auth_cache_s)
         cap = self.config.max_env_processes_total
         self.ledger = Ledger({"processes": cap if cap is not None else 8 * (os.cpu_count() or 1)})
-        self._futures: dict[str, _Future] = {}
-        self._waits: dict[str, int] = {}
-        self.files = TenantFiles(self.data_dir, self.quotas, self._backbone_hashes)
+        self.futures = Futures(self.config.max_waits_per_tenant)
+        self.sessions = Sessions(lambda: self.runtime.environment, self.ledger, self._reserve, self.config.gym_envs,
+                                 self.config.env_workers)
+        self.files = TenantFiles(self.data_dir, self.access.quotas, self._backbone_hashes)
         self._own_ray = False
-        self._lock = threading.Lock()
         self.started_at = time.time()
         self.served: ServedPolicies | None = None
         self._janitor_stop = threading.Event()
@@ -140,8 +122,7 @@ class ServiceHost:
         while not self._janitor_stop.wait(every_s):
             try:
                 self.served.sweep()
-                with self._lock:
-                    self._gc_futures()
+                self.futures.sweep()
             except Exception:  # noqa: BLE001 - housekeeping must not take the service down
                 log.exception("janitor round failed")
 
@@ -151,14 +132,13 @@ class ServiceHost:
         if self.config.ray_address:
             import ray
 
-            from vlamux.services.ray_facade import RayServices
             from vlamux.services.ray_runtime import RayRuntime, RayRuntimeConfig
 
             if not ray.is_initialized():  # "local": a Ray instance of this process's own
                 self._own_ray = True
                 ray.init(address=None if self.config.ray_address == "local" else self.config.ray_address,
                          include_dashboard=False, log_to_driver=False)
-            return RayServices(RayRuntime(RayRuntimeConfig(**self._placement(), environment=env)).start())
+            return RayRuntime(RayRuntimeConfig(**self._placement(), environment=env)).start()
         from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
 
         return EmbeddedRuntime(RuntimeConfig(**self._placement(), environment=env)).start()
@@ -205,61 +185,13 @@ class ServiceHost:
         """{content sha256: name} of the backbones held (a policy file must fit one of them)."""
         return {b["sha256"]: b["name"] for b in self.runtime.describe_backbones() if b.get("sha256")}
 
-    # ---- authentication and tenants -------------------------------------------------------------
-    def authenticate(self, secret: str) -> Principal | None:
-        """The key's principal (None: unknown, revoked or disabled), from the cache or the store."""
-        d = secret_digest(secret)
-        p = self._principals.get(d)
-        if TTLCache.missing(p):
-            key = self.store.authenticate(secret)
-            p = None if key is None else Principal(key.id, key.tenant_id)
-            self._principals.put(d, p)
-        return p
-
-    def cached_principal(self, secret: str):
-        """The principal if the cache knows the key (None for a known-bad one), else the cache's
-        sentinel (`TTLCache.missing`): a check that never touches the store, for the event loop."""
-        return self._principals.get(secret_digest(secret))
-
-    def quotas(self, tenant_id: str) -> dict:
-        q = self._quotas.get(tenant_id)
-        if TTLCache.missing(q):
-            t = self.store.get_tenant(tenant_id)
-            q = {**self.config.default_quotas, **((t.quotas if t else None) or {})}
-            self._quotas.put(tenant_id, q)
-        return q
-
-    def quotas_cached(self, tenant_id: str) -> bool:
-        return not TTLCache.missing(self._quotas.get(tenant_id))
-
-    def forget(self, tenant_id: str | None = None, key_id: str | None = None) -> None:
-        """A tenant's or a key's cached principal and quotas are stale (changed through this host)."""
-        # unknown keys are forgotten too: one refused while its tenant was disabled is valid once enabled
-        self._principals.drop(lambda _, p: p is None or p.tenant_id == tenant_id or p.key_id == key_id)
-        if tenant_id is not None:
-            self._quotas.drop(lambda t, _: t == tenant_id)
-
-    def take_rate(self, tenant_id: str) -> float:
-        """Count one request against the tenant's rate: 0 if admitted, else the seconds to wait."""
-        return self.limiter.take(tenant_id, float(self.quotas(tenant_id)["requests_per_s"]))
-
-    def admit(self, p: Principal) -> None:
-        """Per-tenant request rate (the admin is not limited). In memory: cheap enough for the event loop
-        once the tenant's quotas are cached."""
-        if p.is_admin:
-            return
-        wait = self.take_rate(p.tenant_id)
-        if wait > 0:
-            rate = float(self.quotas(p.tenant_id)["requests_per_s"])
-            raise QuotaExceeded(f"rate limited: more than {rate:g} requests/s", retry_after_s=wait)
-
     # ---- jobs -----------------------------------------------------------------------------------
     def submit_job(self, tenant_id: str, spec: dict) -> dict:
         if not isinstance(spec, dict):
             raise JobSpecError("spec: expected a JSON object")
         job_id = uuid.uuid4().hex[:12]
         spec = self._compile(tenant_id, job_id, spec)
-        need = job_need(spec, self.quotas(tenant_id))
+        need = job_need(spec, self.access.quotas(tenant_id))
         self._reserve(tenant_id, f"job:{job_id}", need, retry_after_s=30.0)
         try:
             workdir = self.data_dir / "tenants" / tenant_id / "jobs" / job_id
@@ -277,7 +209,7 @@ class ServiceHost:
 
     def _reserve(self, tenant_id: str, holder: str, need: Need, retry_after_s: float, force: bool = False) -> None:
         try:
-            self.ledger.reserve(tenant_id, holder, need, self.quotas(tenant_id), force=force)
+            self.ledger.reserve(tenant_id, holder, need, self.access.quotas(tenant_id), force=force)
         except QuotaRefused as e:
             raise QuotaExceeded(str(e), retry_after_s=retry_after_s) from None
 
@@ -318,9 +250,9 @@ class ServiceHost:
                 result = detail.get("result") if detail["state"] == "succeeded" else None
                 error = detail.get("error")  # what the tenant reads: no path of the service's
                 self.store.set_job_state(job_id, detail["state"], error=public_message(error) if error else None,
-                                         result=json_safe(_jsonable(result)) if result is not None else None)
+                                         result=json_safe(jsonable(result)) if result is not None else None)
             elif kind == "checkpoint":
-                self.store.set_job_progress(job_id, json_safe(_jsonable(job.progress)))
+                self.store.set_job_progress(job_id, json_safe(jsonable(job.progress)))
                 path = Path(detail["path"])
                 self.store.add_checkpoint(tenant_id, job_id, int(detail["policy_version"]), str(path),
                                           path.stat().st_size, file_sha256(path), job_id=job_id)
@@ -370,7 +302,7 @@ class ServiceHost:
         """Disable (or enable) a tenant. Disabled, its keys answer 401 at once, its running jobs are
         cancelled (their checkpoints stay) and its env sessions closed: it holds nothing any more."""
         t = self.store.set_disabled(tenant_id, disabled)
-        self.forget(tenant_id=tenant_id)
+        self.access.forget(tenant_id=tenant_id)
         if disabled:
             for rec in self.store.list_jobs(tenant_id):
                 if rec.kind != "slot" and rec.state in ("queued", "running"):
@@ -379,10 +311,9 @@ class ServiceHost:
                         self.master.cancel(live)
                     else:
                         self.store.set_job_state(rec.id, "cancelled", detail="the tenant was disabled")
-            env_svc = self.runtime.environment
-            for s in env_svc.list_sessions(tenant_id):
+            for s in self.sessions.list(tenant_id):
                 try:
-                    self.close_session(tenant_id, s["session_id"])
+                    self.sessions.close(tenant_id, s["session_id"])
                 except Exception:  # noqa: BLE001 - closed meanwhile (reaped); nothing left to free
                     log.debug("session %s of disabled tenant %s was already gone", s["session_id"], tenant_id)
         return t
@@ -621,14 +552,14 @@ class ServiceHost:
 
     def forward_backward(self, tenant_id: str, policy_id: str, obs, actions, action_mask) -> dict:
         key = self._slot(tenant_id, policy_id)
-        return self._track(tenant_id, "forward_backward",
+        return self.futures.track(tenant_id, "forward_backward",
                            self.runtime.forward_backward(key, obs, actions, action_mask))
 
     def optim_step(self, tenant_id: str, policy_id: str, lr: float | None = None) -> dict:
         key = self._slot(tenant_id, policy_id)
         if lr is not None:
             self.runtime.set_lr(key, lr)  # queued ahead of the step, in order
-        return self._track(tenant_id, "optim_step", self.runtime.optim_step(key))
+        return self.futures.track(tenant_id, "optim_step", self.runtime.optim_step(key))
 
     def save_state(self, tenant_id: str, policy_id: str) -> dict:
         key = self._slot(tenant_id, policy_id)
@@ -648,7 +579,7 @@ class ServiceHost:
             out.set_result({"checkpoint": _checkpoint_view(cp)})
 
         self.runtime.save_state(key, path).add_done_callback(saved)
-        return self._track(tenant_id, "save_state", out)
+        return self.futures.track(tenant_id, "save_state", out)
 
     def load_state(self, tenant_id: str, policy_id: str, checkpoint_id) -> dict:
         key = self._slot(tenant_id, policy_id)
@@ -656,7 +587,7 @@ class ServiceHost:
         if cp is None or cp.policy_id != policy_id:
             raise NotFound(f"no checkpoint {checkpoint_id!r} of policy {policy_id!r}")
         self._verify(cp)
-        return self._track(tenant_id, "load_state", self.runtime.load_state(key, cp.path))
+        return self.futures.track(tenant_id, "load_state", self.runtime.load_state(key, cp.path))
 
     def predict(self, tenant_id: str, policy_id: str, obs, deterministic: bool) -> Future:
         rec = self._policy(tenant_id, policy_id)
@@ -666,89 +597,6 @@ class ServiceHost:
         elif rec.state not in ("queued", "running"):  # its slot is gone: its newest checkpoint is served
             self.served.ensure(key, tenant_id, self.store.list_checkpoints(tenant_id, job_id=policy_id), self._verify)
         return self.runtime.predict(key, obs, deterministic)
-
-    # ---- futures --------------------------------------------------------------------------------
-    def _track(self, tenant_id: str, op: str, fut: Future) -> dict:
-        f = _Future(uuid.uuid4().hex[:16], tenant_id, op, fut)
-        fut.add_done_callback(lambda _: setattr(f, "done_at", time.time()))
-        with self._lock:
-            self._gc_futures()
-            self._futures[f.id] = f
-        return _future_view(f)
-
-    def _tracked(self, tenant_id: str, future_id: str) -> _Future:
-        with self._lock:
-            f = self._futures.get(future_id)
-        if f is None or f.tenant_id != tenant_id:
-            raise NotFound(f"no future {future_id!r}")
-        return f
-
-    def future(self, tenant_id: str, future_id: str) -> Future:
-        """The tenant's future `future_id` (404 for another tenant's, as for a missing one)."""
-        return self._tracked(tenant_id, future_id).future
-
-    def future_view(self, tenant_id: str, future_id: str) -> dict:
-        return _future_view(self._tracked(tenant_id, future_id))
-
-    @contextlib.contextmanager
-    def long_poll(self, tenant_id: str):
-        """One of the tenant's waiting requests, counted: past `max_waits_per_tenant` at once, 429."""
-        with self._lock:
-            n = self._waits.get(tenant_id, 0)
-            if n >= self.config.max_waits_per_tenant:
-                raise QuotaExceeded(f"rate limited: {n} requests of this tenant are already waiting (at most "
-                                    f"{self.config.max_waits_per_tenant} long polls at once)", retry_after_s=1.0)
-            self._waits[tenant_id] = n + 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._waits[tenant_id] -= 1
-
-    def _gc_futures(self) -> None:
-        now = time.time()
-        for fid in [k for k, f in self._futures.items() if f.done_at and now - f.done_at > FUTURE_TTL_S]:
-            del self._futures[fid]
-
-    # ---- environment sessions -------------------------------------------------------------------
-    def open_session(self, tenant_id: str, env: dict, n_envs: int, seed: int | None = None) -> dict:
-        env_svc = self.runtime.environment
-        check_allowed(env.get("backend", "tabletop"), env.get("task"), env.get("options") or {}, "env",
-                      self.config.gym_envs)
-        # sessions the Environment Service closed on its own (idle, lost workers) hold nothing any more
-        self.ledger.keep_only(tenant_id, "session:", {s["session_id"] for s in env_svc.list_sessions(tenant_id)})
-        pending = f"opening:{uuid.uuid4().hex}"
-        need = Need(sessions=1, envs=n_envs, processes=session_processes(n_envs, self.config.env_workers))
-        self._reserve(tenant_id, pending, need, retry_after_s=5.0)
-        try:
-            sid = env_svc.open_session(tenant_id, env, n_envs, seed=seed, n_workers=self.config.env_workers)
-        except BaseException:
-            self.ledger.release(tenant_id, pending)
-            raise
-        self.ledger.rename(tenant_id, pending, f"session:{sid}")
-        return env_svc.session_info(tenant_id, sid)
-
-    def close_session(self, tenant_id: str, session_id: str) -> None:
-        self.runtime.environment.close_session(tenant_id, session_id)
-        self.ledger.release(tenant_id, f"session:{session_id}")
-
-
-def check_allowed(backend: str, task, options: dict, where: str, gym_envs: dict) -> None:
-    """A tenant's env may use backend 'gym' only with an id and env_kwargs the operator allowed."""
-    if backend != "gym":
-        return
-    if not gym_envs:
-        raise InvalidInputError(f"{where}.backend: 'gym' is not enabled on this service (its operator allows "
-                                f"gymnasium ids with vlamux serve --gym-env)")
-    if task not in gym_envs:
-        raise InvalidInputError(f"{where}.task: gymnasium id {task!r} is not allowed here; allowed: {sorted(gym_envs)}")
-    kwargs = options.get("env_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise InvalidInputError(f"{where}.options.env_kwargs: expected a map")
-    extra = sorted(set(kwargs) - set(gym_envs[task]))
-    if extra:
-        raise InvalidInputError(f"{where}.options.env_kwargs.{extra[0]}: not allowed for {task!r}; allowed: "
-                                f"{list(gym_envs[task]) or 'none'}")
 
 
 def _check_envs(spec, gym_envs: dict) -> None:
@@ -831,17 +679,6 @@ def _checkpoint_view(c) -> dict:
             "sha256": c.sha256, "created_at": c.created_at, "job_id": c.job_id}
 
 
-def _future_view(f: _Future) -> dict:
-    view = {"id": f.id, "op": f.op, "state": "pending", "result": None, "error": None}
-    if f.future.done():
-        e = f.future.exception()
-        if e is None:
-            view["state"], view["result"] = "done", _jsonable(f.future.result())
-        else:
-            view["state"], view["error"] = "failed", {"type": type(e).__name__, "message": str(e)}
-    return view
-
-
 def json_safe(x):
     """JSON the store accepts: NaN and infinities (a diverged loss) become None."""
     if isinstance(x, float):
@@ -851,22 +688,6 @@ def json_safe(x):
     if isinstance(x, list):
         return [json_safe(v) for v in x]
     return x
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return x
-    if hasattr(x, "item") and getattr(x, "ndim", 1) == 0:
-        return x.item()
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    if hasattr(x, "__dataclass_fields__"):
-        return _jsonable(asdict(x))
-    return str(x)
 
 
 def _lerobot_tar(snap, backbone: dict, out_dir: Path) -> Path:

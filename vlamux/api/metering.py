@@ -12,13 +12,17 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the contract, for annotations only
+    from vlamux.services.contract import Runtime
 
 log = logging.getLogger(__name__)
 
 KINDS = ("backbone_s", "head_s", "requests", "env_steps")
 
 
-def service_counters(runtime) -> dict[str, dict[str, float]]:
+def service_counters(runtime: Runtime) -> dict[str, dict[str, float]]:
     """Cumulative counters per service-level tenant key, summed over the services."""
     out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for snapshot in runtime.accounting().values():  # the training service's and each replica's

@@ -16,14 +16,18 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vlamux.api.faults import NotFound
+
+if TYPE_CHECKING:  # the contract, for annotations only
+    from vlamux.services.contract import Runtime
 
 log = logging.getLogger(__name__)
 
 
 class ServedPolicies:
-    def __init__(self, runtime, per_tenant: int = 4, idle_s: float = 600.0, load_timeout_s: float = 120.0):
+    def __init__(self, runtime: Runtime, per_tenant: int = 4, idle_s: float = 600.0, load_timeout_s: float = 120.0):
         self.runtime, self.per_tenant, self.idle_s = runtime, per_tenant, idle_s
         self.load_timeout_s = load_timeout_s
         self._last_use: OrderedDict[str, float] = OrderedDict()  # slot key -> last predict, oldest first

@@ -113,7 +113,8 @@ def validate(root: Path) -> dict:
     Opening it checks every path its files name (meta/info.json's data_path / video_path templates,
     filled in for each episode): one leading outside the dataset is refused with the reader's own
     message (the one a job on such a dataset fails with), the same whether or not anything is there."""
-    from vlamux.data.lerobot import DatasetError, LeRobotDataset
+    from vlamux.data.errors import DatasetError
+    from vlamux.data.lerobot import LeRobotDataset
 
     try:
         ds = LeRobotDataset(root)
@@ -174,7 +175,7 @@ def validate_hdf5(path: Path, name: str) -> dict:
     import h5py
 
     from vlamux.data import RobomimicDataset
-    from vlamux.data.lerobot import DatasetError
+    from vlamux.data.errors import DatasetError
 
     try:
         with h5py.File(path, "r") as f:

@@ -25,15 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from vlamux.data.lerobot import (
-    ByteLRU,
-    DatasetFormatError,
-    EpisodeDataset,
-    MissingKeyError,
-    _have,
-    feature_stats,
-    image_stats,
-)
+from vlamux.data.episodes import ByteLRU, EpisodeDataset
+from vlamux.data.errors import DatasetFormatError, MissingKeyError
+from vlamux.data.lerobot_format import _have
+from vlamux.data.stats import feature_stats, image_stats
 
 DEFAULT_FPS = 20  # robomimic's and LIBERO's control frequency
 
@@ -227,7 +222,7 @@ class RobomimicDataset(EpisodeDataset):
         if key not in self._stats:
             demo_names = range(self.num_episodes)
             if self.features[key]["dtype"] == "image":
-                from vlamux.data.lerobot import aggregate_stats
+                from vlamux.data.stats import aggregate_stats
 
                 per = [{key: image_stats(self._array(i, key))} for i in demo_names]
                 self._stats[key] = aggregate_stats(per)[key]

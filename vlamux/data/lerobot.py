@@ -1,47 +1,22 @@
-"""LeRobot datasets on local disk: readers for v3.0 and v2.1 (v2.0); the v3.0 writer is
-`vlamux.data.lerobot_writer`.
+"""LeRobot datasets on local disk: the reader of v3.0 and v2.1 (v2.0); the format's constants are
+`vlamux.data.lerobot_format`, the v3.0 writer `vlamux.data.lerobot_writer`.
 
 The layout follows LeRobot's own code (`lerobot.datasets`, tags v0.4.x-v0.6.x,
 `CODEBASE_VERSION = "v3.0"`) and its v3.0 announcement; docs/DATASETS.md
 summarises it. Nothing here imports `lerobot` or touches the network.
-
-v3.0 on disk (`{...}` are LeRobot's path templates, stored in meta/info.json):
-
-    meta/info.json                  codebase_version, fps, features, totals, path templates
-    meta/stats.json                 per feature: min/max/mean/std/count (+ q01..q99)
-    meta/tasks.parquet              pandas frame: index "task" (the string), column task_index
-    meta/episodes/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet
-                                    one row per episode: episode_index, tasks, length,
-                                    data/{chunk,file}_index, dataset_{from,to}_index,
-                                    videos/{key}/{chunk_index,file_index,from_timestamp,to_timestamp},
-                                    stats/{feature}/{stat}, meta/episodes/{chunk,file}_index
-    data/chunk-{chunk_index:03d}/file-{file_index:03d}.parquet
-                                    one row per frame, many episodes per file
-    videos/{video_key}/chunk-{chunk_index:03d}/file-{file_index:03d}.mp4
-                                    many episodes per file, back to back; an episode's frames
-                                    are at from_timestamp + its `timestamp` column
-
 The reader opens only files inside the dataset's directory (symbolic links resolved): the path
 templates take only LeRobot's fields ({chunk_index}, {file_index}, {video_key}; v2.x: {episode_chunk},
 {episode_index}, {video_key}) and are filled in without `str.format`; a dataset naming a file
 outside itself is refused when it is opened, with the same message whether or not that file exists.
-Errors name files relative to the dataset's root.
-
-This module also holds what the HDF5 reader and the writer share (statistics, the episode-dataset
-base class, the decoded-frame cache); the paths' checks are `vlamux.data.paths`, the errors
-`vlamux.data.errors`.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import io
-import json
 import os
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,201 +24,17 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from vlamux.utils.io import atomic_write_text
+from vlamux.data.episodes import ByteLRU, Episode, EpisodeDataset, EpisodeInfo, VideoSegment
 from vlamux.data.errors import DatasetError, DatasetFormatError, MissingKeyError
+from vlamux.data.lerobot_format import (CAMERA_DTYPES, CODEBASE_VERSION, DATA_PATH, DEFAULT_CHUNK_SIZE, EPISODES_DIR,
+                                        EPISODES_PATH, INFO_PATH, LEGACY_DATA_PATH, LEGACY_EPISODES_PATH,
+                                        LEGACY_EPISODES_STATS_PATH, LEGACY_TASKS_PATH, LEGACY_VERSIONS,
+                                        LEGACY_VIDEO_PATH, STATS_PATH, TASKS_PATH, VIDEO_PATH, _read_json,
+                                        _read_jsonl)
 from vlamux.data.paths import (LEGACY_TEMPLATE_FIELDS, MAX_INDEX, V3_TEMPLATE_FIELDS, PathTemplate, is_dir, is_file,
                                listdir, resolve_inside, scrub, short)
-
-# ---- constants of the format (LeRobot's names) ---------------------------------------------------
-
-CODEBASE_VERSION = "v3.0"
-LEGACY_VERSIONS = ("v2.0", "v2.1")
-
-DEFAULT_CHUNK_SIZE = 1000  # max files per chunk directory
-DEFAULT_DATA_FILE_SIZE_IN_MB = 100
-DEFAULT_VIDEO_FILE_SIZE_IN_MB = 200
-
-INFO_PATH = "meta/info.json"
-STATS_PATH = "meta/stats.json"
-TASKS_PATH = "meta/tasks.parquet"
-EPISODES_DIR = "meta/episodes"
-CHUNK_FILE_PATTERN = "chunk-{chunk_index:03d}/file-{file_index:03d}"
-EPISODES_PATH = EPISODES_DIR + "/" + CHUNK_FILE_PATTERN + ".parquet"
-DATA_PATH = "data/" + CHUNK_FILE_PATTERN + ".parquet"
-VIDEO_PATH = "videos/{video_key}/" + CHUNK_FILE_PATTERN + ".mp4"
-
-# v2.x (one file per episode, JSON-lines metadata)
-LEGACY_EPISODES_PATH = "meta/episodes.jsonl"
-LEGACY_EPISODES_STATS_PATH = "meta/episodes_stats.jsonl"
-LEGACY_TASKS_PATH = "meta/tasks.jsonl"
-LEGACY_DATA_PATH = "data/chunk-{episode_chunk:03d}/episode_{episode_index:06d}.parquet"
-LEGACY_VIDEO_PATH = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
-
-# Columns every frame carries; the writer fills them in.
-DEFAULT_FEATURES = {
-    "timestamp": {"dtype": "float32", "shape": [1], "names": None},
-    "frame_index": {"dtype": "int64", "shape": [1], "names": None},
-    "episode_index": {"dtype": "int64", "shape": [1], "names": None},
-    "index": {"dtype": "int64", "shape": [1], "names": None},
-    "task_index": {"dtype": "int64", "shape": [1], "names": None},
-}
-DEFAULT_QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)
-CAMERA_DTYPES = ("video", "image")
-_NUMERIC_DTYPES = ("float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16",
-                   "uint32", "uint64", "bool")
-
-
-def _have(keys) -> str:
-    keys = sorted(keys)
-    return ", ".join(repr(k) for k in keys) if keys else "nothing"
-
-
-# ---- statistics (LeRobot's conventions) -----------------------------------------------------------
-
-def feature_stats(x: np.ndarray) -> dict[str, np.ndarray]:
-    """min/max/mean/std/count and quantiles over the first axis of x [N, ...]; scalars get shape (1,)."""
-    x = np.asarray(x)
-    if x.ndim == 1:
-        x = x[:, None]
-    out = {"min": x.min(0), "max": x.max(0)}  # in the feature's dtype, as LeRobot stores them
-    x = x.astype(np.float64)
-    out.update(mean=x.mean(0), std=x.std(0), count=np.array([x.shape[0]], dtype=np.int64))
-    qs = np.quantile(x, DEFAULT_QUANTILES, axis=0)
-    for q, v in zip(DEFAULT_QUANTILES, qs):
-        out[f"q{int(round(q * 100)):02d}"] = v
-    return out
-
-
-def sample_indices(n: int) -> np.ndarray:
-    """LeRobot's frame sampling for image statistics (100 frames up to ~500, then n**0.75, max 10k)."""
-    num = max(min(100, n), min(int(n ** 0.75), 10_000))
-    return np.round(np.linspace(0, n - 1, num)).astype(int)
-
-
-def image_stats(frames: np.ndarray) -> dict[str, np.ndarray]:
-    """Per-channel statistics of uint8 frames [T, H, W, 3], scaled to [0, 1], each of shape (3, 1, 1)."""
-    sample = frames[sample_indices(len(frames))]
-    h, w = sample.shape[1:3]
-    if max(h, w) >= 300:  # LeRobot downsamples large images before computing statistics
-        step = int(max(h, w) / 150)
-        sample = sample[:, ::step, ::step]
-    flat = sample.reshape(-1, sample.shape[-1]) / 255.0
-    out = feature_stats(flat)
-    out = {k: (v if k == "count" else v.reshape(-1, 1, 1)) for k, v in out.items()}
-    out["count"] = np.array([len(sample)], dtype=np.int64)
-    return out
-
-
-def aggregate_stats(per_episode: Sequence[Mapping[str, Mapping[str, np.ndarray]]]) -> dict:
-    """LeRobot's aggregation: count-weighted mean, pooled variance, min of mins, count-weighted quantiles."""
-    keys = sorted({k for s in per_episode for k in s})
-    out = {}
-    for key in keys:
-        items = [s[key] for s in per_episode if key in s]
-        counts = np.stack([np.asarray(s["count"], dtype=np.float64).reshape(-1)[:1] for s in items])  # [E, 1]
-        means = np.stack([np.asarray(s["mean"], dtype=np.float64) for s in items])
-        total = counts.sum()
-        w = counts.reshape((-1,) + (1,) * (means.ndim - 1))
-        mean = (means * w).sum(0) / total
-        var = ((np.stack([np.asarray(s["std"], dtype=np.float64) ** 2 for s in items]) + (means - mean) ** 2)
-               * w).sum(0) / total
-        agg = {"min": np.min(np.stack([np.asarray(s["min"]) for s in items]), 0),
-               "max": np.max(np.stack([np.asarray(s["max"]) for s in items]), 0),
-               "mean": mean, "std": np.sqrt(var), "count": np.array([int(total)], dtype=np.int64)}
-        for q in [k for k in items[0] if k.startswith("q") and k[1:].isdigit()]:
-            if all(q in s for s in items):
-                agg[q] = (np.stack([np.asarray(s[q], dtype=np.float64) for s in items]) * w).sum(0) / total
-        out[key] = agg
-    return out
-
-
-def _jsonable(stats: Mapping[str, Mapping[str, np.ndarray]]) -> dict:
-    return {k: {s: np.asarray(v).tolist() for s, v in d.items()} for k, d in stats.items()}
-
-
-def _as_arrays(stats: Mapping[str, Any]) -> dict[str, dict[str, np.ndarray]]:
-    return {k: {s: np.asarray(v) for s, v in d.items()} for k, d in stats.items() if isinstance(d, Mapping)}
-
-
-# ---- small utilities ------------------------------------------------------------------------------
-
-class ByteLRU:
-    """A thread-safe LRU cache bounded by the total `nbytes` of its numpy values."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = int(max_bytes)
-        self._items: OrderedDict = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    def get(self, key):
-        with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
-                self.hits += 1
-                return self._items[key]
-            self.misses += 1
-            return None
-
-    def put(self, key, value: np.ndarray) -> None:
-        size = int(getattr(value, "nbytes", 0))
-        with self._lock:
-            if key in self._items:
-                self._bytes -= int(getattr(self._items.pop(key), "nbytes", 0))
-            if size > self.max_bytes:
-                return  # larger than the whole budget: hand it out, keep nothing
-            self._items[key] = value
-            self._bytes += size
-            while self._bytes > self.max_bytes and self._items:
-                _, old = self._items.popitem(last=False)
-                self._bytes -= int(getattr(old, "nbytes", 0))
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self._bytes = 0
-
-
-def _write_json_atomic(obj, path: Path) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=4, ensure_ascii=False))
-
-
-def _read_json(path: Path, name: str | None = None) -> Any:
-    """JSON from `path`; errors name the file as `name` (relative to the dataset root)."""
-    name = name if name is not None else str(path)
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise DatasetFormatError(f"{name}: file missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DatasetFormatError(f"{name}: not valid JSON ({e})") from None
-    except OSError as e:
-        raise DatasetFormatError(f"{name}: cannot read ({e.strerror or type(e).__name__})") from None
-
-
-def _read_jsonl(path: Path, name: str | None = None) -> list[dict]:
-    name = name if name is not None else str(path)
-    try:
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    except FileNotFoundError:
-        raise DatasetFormatError(f"{name}: file missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise DatasetFormatError(f"{name}: not valid JSON lines ({e})") from None
-    except OSError as e:
-        raise DatasetFormatError(f"{name}: cannot read ({e.strerror or type(e).__name__})") from None
-    if not all(isinstance(r, dict) for r in rows):
-        raise DatasetFormatError(f"{name}: every line must be a JSON object")
-    return rows
+from vlamux.data.stats import _as_arrays, aggregate_stats
+from vlamux.data.video import decode_video_segment
 
 
 def _column_to_numpy(col: pa.ChunkedArray | pa.Array, shape: Sequence[int] | None) -> np.ndarray:
@@ -294,174 +85,6 @@ def _decode_png_column(col: pa.ChunkedArray, root: Path, where: str = "an 'image
         except (OSError, ValueError, TypeError) as e:
             raise DatasetFormatError(f"{where}: an image does not decode ({scrub(str(e), root)})") from None
     return np.stack(out) if out else np.zeros((0, 0, 0, 3), np.uint8)
-
-
-def decode_video_segment(path: Path, timestamps: Sequence[float], tolerance_s: float,
-                         name: str | None = None) -> np.ndarray:
-    """Frames of an mp4 nearest to each timestamp (seconds in the file), as uint8 [N, H, W, 3].
-
-    Seeks to the keyframe before the first timestamp and decodes forward past the last one (as
-    LeRobot's pyav backend does); every timestamp must have a frame within `tolerance_s`. Errors
-    name the file as `name` (by default its path).
-    """
-    import av
-
-    name = name if name is not None else str(path)
-    ts = np.asarray(timestamps, dtype=np.float64)
-    first, last = float(ts.min()), float(ts.max())
-    frames, got = [], []
-    try:
-        with av.open(str(path)) as container:
-            stream = container.streams.video[0]
-            stream.thread_type = "AUTO"
-            if first > 0:
-                container.seek(max(0, int(first / stream.time_base) - 1), backward=True, any_frame=False,
-                               stream=stream)
-            for frame in container.decode(stream):
-                if frame.pts is None:
-                    continue
-                t = float(frame.pts * frame.time_base)
-                if t < first - tolerance_s:
-                    continue
-                frames.append(frame.to_ndarray(format="rgb24"))
-                got.append(t)
-                if t >= last - tolerance_s:
-                    break
-    except FileNotFoundError:
-        raise DatasetFormatError(f"{name}: video file missing") from None
-    except (av.error.FFmpegError, OSError, IndexError) as e:
-        msg = str(e).replace(str(path), name)
-        raise DatasetFormatError(f"{name}: cannot decode ({msg})") from None
-    if not frames:
-        raise DatasetFormatError(f"{name}: no frames decoded in [{first:.4f}, {last:.4f}] s")
-    got = np.asarray(got)
-    nearest = np.abs(ts[:, None] - got[None, :]).argmin(1)
-    err = np.abs(got[nearest] - ts)
-    if (err > tolerance_s).any():
-        bad = int(err.argmax())
-        raise DatasetFormatError(
-            f"{name}: no frame within {tolerance_s} s of t={ts[bad]:.6f} s (nearest {got[nearest[bad]]:.6f} s)")
-    return np.stack([frames[i] for i in nearest])
-
-
-# ---- base class shared by the readers -------------------------------------------------------------
-
-class EpisodeDataset:
-    """What the chunk sampler reads: episodes of frames with numeric features, cameras and a task.
-
-    Subclasses fill `features`, `stats`, `fps` and the episode accessors.
-    """
-
-    features: dict[str, dict]
-    fps: float
-    source: str  # what to name in error messages (a path)
-    stats_source: str  # where statistics come from, for error messages
-
-    # accessors a subclass implements
-    @property
-    def num_episodes(self) -> int:
-        raise NotImplementedError
-
-    def episode_length(self, i: int) -> int:
-        raise NotImplementedError
-
-    def episode_array(self, i: int, key: str) -> np.ndarray:
-        """A non-camera feature of episode i, [T, ...]."""
-        raise NotImplementedError
-
-    def episode_images(self, i: int, key: str) -> np.ndarray:
-        """A camera of episode i, uint8 [T, H, W, 3]."""
-        raise NotImplementedError
-
-    def frame_tasks(self, i: int) -> list[str]:
-        """The task (instruction) of each frame of episode i."""
-        raise NotImplementedError
-
-    @property
-    def stats(self) -> dict[str, dict[str, np.ndarray]]:
-        raise NotImplementedError
-
-    # shared
-    @property
-    def num_frames(self) -> int:
-        return sum(self.episode_length(i) for i in range(self.num_episodes))
-
-    @property
-    def camera_keys(self) -> list[str]:
-        return [k for k, ft in self.features.items() if ft.get("dtype") in CAMERA_DTYPES]
-
-    def feature(self, key: str) -> dict:
-        if key not in self.features:
-            raise MissingKeyError(f"{self.source}: no feature {key!r} (features: {_have(self.features)})")
-        return self.features[key]
-
-    def is_camera(self, key: str) -> bool:
-        return self.feature(key).get("dtype") in CAMERA_DTYPES
-
-    def stat(self, key: str) -> dict[str, np.ndarray]:
-        stats = self.stats
-        if key not in stats:
-            raise MissingKeyError(f"{self.stats_source} has no {key!r} entry (it has: {_have(stats)})")
-        return stats[key]
-
-    def norm_stats(self, key: str, mode: str = "mean_std"):
-        """The statistics of a numeric feature as the model core's `NormStats` (flattened to [D])."""
-        import torch
-
-        from vlamux.model.normalize import NormStats
-
-        entry = self.stat(key)
-        missing = [f for f in ("mean", "std", "min", "max") if f not in entry]
-        if missing:
-            raise MissingKeyError(f"{self.stats_source}[{key!r}] has no {_have(missing)} (it has: {_have(entry)})")
-        t = [torch.as_tensor(np.asarray(entry[f], dtype=np.float32).reshape(-1)) for f in ("mean", "std", "min", "max")]
-        return NormStats(*t, mode=mode)
-
-    def episode(self, i: int) -> Episode:
-        """Episode i: its non-camera features as arrays [T, ...]; cameras through `Episode.images`."""
-        i = self._check_episode(i)
-        data = {k: self.episode_array(i, k) for k, ft in self.features.items() if ft.get("dtype") not in CAMERA_DTYPES}
-        return Episode(i, self.episode_length(i), self.frame_tasks(i)[0], data, self)
-
-    def _check_episode(self, i: int) -> int:
-        if not isinstance(i, (int, np.integer)) or not 0 <= i < self.num_episodes:
-            raise IndexError(f"{self.source}: episode {i!r} out of range [0, {self.num_episodes})")
-        return int(i)
-
-
-# ---- reader ---------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class VideoSegment:
-    path: str  # relative to the dataset root
-    from_timestamp: float
-    to_timestamp: float
-
-
-@dataclass(frozen=True)
-class EpisodeInfo:
-    index: int
-    length: int
-    tasks: tuple[str, ...]
-    dataset_from_index: int
-    dataset_to_index: int
-    data_path: str  # relative to the dataset root
-    videos: dict[str, VideoSegment] = field(default_factory=dict)
-
-
-@dataclass
-class Episode:
-    """One episode: non-camera columns as arrays [T, ...]; cameras decoded on demand."""
-
-    index: int
-    length: int
-    task: str
-    data: dict[str, np.ndarray]
-    _dataset: EpisodeDataset = field(repr=False)
-
-    def images(self, key: str) -> np.ndarray:
-        """uint8 [T, H, W, 3]."""
-        return self._dataset.episode_images(self.index, key)
 
 
 class LeRobotDataset(EpisodeDataset):

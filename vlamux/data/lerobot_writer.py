@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from vlamux.data.errors import DatasetError
-from vlamux.data.lerobot import (
+from vlamux.data.lerobot_format import (
     _NUMERIC_DTYPES,
     CAMERA_DTYPES,
     CODEBASE_VERSION,
@@ -32,12 +32,9 @@ from vlamux.data.lerobot import (
     TASKS_PATH,
     VIDEO_PATH,
     _have,
-    _jsonable,
     _write_json_atomic,
-    aggregate_stats,
-    feature_stats,
-    image_stats,
 )
+from vlamux.data.stats import _jsonable, aggregate_stats, feature_stats, image_stats
 
 
 class _VideoFile:

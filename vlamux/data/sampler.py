@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from vlamux.data.lerobot import DatasetError, EpisodeDataset
+from vlamux.data.episodes import EpisodeDataset
+from vlamux.data.errors import DatasetError
 from vlamux.model.batch import Observation
 from vlamux.model.normalize import NormStats
 

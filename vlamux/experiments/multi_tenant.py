@@ -121,7 +121,7 @@ def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny
                 if j.state != "succeeded":
                     raise RuntimeError(f"job {j.spec.name} {j.state}: {j.error}")
                 results[j.spec.name] = j.result
-            memory = high_water([memory, peaks(rt.training.runner.lane.device)])  # while its pools exist
+            memory = high_water([memory, peaks(placed["device"])])  # while its pools exist
         finally:
             rt.stop()
     wall = sum(walls)

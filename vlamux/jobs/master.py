@@ -18,6 +18,7 @@ import time
 import typing
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vlamux.errors import VlamuxError
 from vlamux.jobs.spec import JobSpec, JobSpecError, load_spec
@@ -26,6 +27,9 @@ from vlamux.utils.io import atomic_path, atomic_write_text
 from vlamux.workflows.evaluate import evaluate, paired
 from vlamux.workflows.rl import RLRun
 from vlamux.workflows.sft import SFTRun
+
+if TYPE_CHECKING:  # the contract, for annotations only
+    from vlamux.services.contract import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +71,7 @@ class Job:
 
 
 class MasterService:
-    def __init__(self, services, workdir: str | Path = "runs"):
+    def __init__(self, services: Runtime, workdir: str | Path = "runs"):
         self.services = services
         self.workdir = Path(workdir)
         self.jobs: dict[str, Job] = {}  # the jobs not yet ended
@@ -192,8 +196,6 @@ class MasterService:
             self.services.remove_slot(tenant).result(120)
         except Exception as e:  # noqa: BLE001 - the job's end is told all the same
             log.warning("freeing the slot of %s: %s: %s", tenant, type(e).__name__, e)
-        if not self.services.flush(30):
-            log.warning("freeing the slot of %s: the replicas had not all heard of it after 30 s", tenant)
 
     def _check(self, job: Job) -> None:
         if job.cancel.is_set():

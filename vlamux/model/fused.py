@@ -173,15 +173,18 @@ class FusedHeads:
         finite = torch.isfinite(losses.detach())
         present = [g for g in grads if g is not None]
         if present:
-            # a norm is one pass (isfinite takes four), non-finite where an entry is, or where the gradient
-            # is so large that its norm overflows: no step could use that one either
-            norms = torch.stack([torch.linalg.vector_norm(g, dim=tuple(range(1, g.dim()))) for g in present])
-            finite = finite & norms.isfinite().all(0)
+            # each request's global norm: one pass (isfinite takes four), non-finite where an entry is or
+            # where the gradient is so large that its norm overflows (no step could use that one either),
+            # and what its step's clipping reuses
+            norms = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1)
+                                                          for g in present]), dim=0)
+            finite = finite & norms.isfinite()
         out = []
         for i, (loss_i, metrics_i, extra_i) in enumerate(per):
             # views of the stacked gradient: disjoint slices, one per request
             mine = [None if g is None else g[i] for g in grads]
-            out.append(PendingGrads(mine, {"loss": loss_i.detach(), **metrics_i, **extra_i}, finite[i], rngs[i]))
+            out.append(PendingGrads(mine, {"loss": loss_i.detach(), **metrics_i, **extra_i}, finite[i], rngs[i],
+                                    norms[i] if present else None))
         return out
 
 

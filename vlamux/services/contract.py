@@ -67,7 +67,7 @@ class Runtime(Protocol):
                     stats: dict | None = None, backbone: str | None = None) -> Future:
         """The tenant's slot, recorded so that a restart rebuilds it."""
     def remove_slot(self, tenant: str) -> Future:
-        """Free the tenant's slot everywhere."""
+        """Free the tenant's slot everywhere: resolved once training and every replica dropped it."""
     def forward_backward(self, tenant: str, obs: Observation, actions, action_mask=None, policy_version=None,
                          priority: int = 0, loss=None) -> Future:
         """Accumulate the gradients of one batch: {"loss", ...}."""

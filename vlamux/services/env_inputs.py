@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlamux.data.lerobot import DatasetError
+from vlamux.data.errors import DatasetError
 from vlamux.envs import BACKENDS
 from vlamux.envs.base import EnvSpec
 from vlamux.errors import InvalidInputError

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from vlamux.data.lerobot import DatasetError, DatasetFormatError
+from vlamux.data.errors import DatasetError, DatasetFormatError
 from vlamux.envs.base import EnvError, EnvSpec
 from vlamux.envs.workers import VectorEnv
 from vlamux.errors import InvalidInputError, public_message

@@ -25,15 +25,20 @@ from vlamux.services.environment import EnvironmentService
 from vlamux.services.health import HealthManager, Role
 from vlamux.services.inference import InferenceModelService
 from vlamux.services.queues import InferenceQueueConfig, QueueClosed
+from vlamux.services.routing import Router
+from vlamux.services.slot_book import SlotBook, SlotRecipe
 from vlamux.services.training import TrainingModelService
 from vlamux.utils.once import SingleFlight
 
 log = logging.getLogger(__name__)
 CALIBRATE_TIMEOUT_S = 300.0  # a model service's re-measurement of its group caps
+RESTORE_TIMEOUT_S = 120.0  # one tenant's restore after a training restart
 
 
 @dataclass
-class RuntimeConfig:
+class RuntimeConfigBase:
+    """What both runtimes are configured with: backbones, devices, queues, grouping, health."""
+
     backbone: BackboneSpec = field(default_factory=BackboneSpec)  # the default: slots that name none read it
     backbones: dict = field(default_factory=dict)  # more backbones the services hold at once, by name
     # Placement. `device` is every model service's unless its role names one: "auto" is CUDA where
@@ -53,13 +58,9 @@ class RuntimeConfig:
     # `calibrate()`) and caps groups where a bigger one stops paying; None: groups are uncapped
     group_cap: str | None = "learned"
     group_budget_s: float | None = None  # and at most this long a group forward (latency)
-    # Placement by resource (vlamux.utils.placement): the model services (this process's threads, and
-    # torch's intra-op threads, one per core) on `service_cpus`, the simulator workers on `env_cpus`.
-    # None: wherever the OS puts them (today's shared setting).
-    service_cpus: tuple[int, ...] | None = None
-    env_cpus: tuple[int, ...] | None = None
     # Inference before training where they share a GPU or the services' own cores (vlamux.model.device:
-    # stream priorities on CUDA, the training thread's nice on service_cpus); False: the defaults.
+    # stream priorities on CUDA, the training thread's nice on the embedded runtime's service_cpus);
+    # False: the defaults.
     prioritize_inference: bool = True
     health_interval_s: float = 0.5
     hung_after_s: float = 30.0
@@ -67,11 +68,7 @@ class RuntimeConfig:
     environment: dict = field(default_factory=dict)  # EnvironmentService keyword arguments
 
     def __post_init__(self):
-        from vlamux.utils.placement import check_cpus
-
         self.inference_devices = tuple(self.inference_devices)
-        self.service_cpus = check_cpus(self.service_cpus, "service_cpus")
-        self.env_cpus = check_cpus(self.env_cpus, "env_cpus")
         for name in (self.device, self.training_device, *self.inference_devices):
             if name is not None and not isinstance(name, str):
                 raise ValueError(f"runtime config: devices are strings such as 'auto', 'cpu', 'cuda:1'; got {name!r}")
@@ -86,11 +83,6 @@ class RuntimeConfig:
             out[name] = spec
         return out
 
-    def lane_priority(self, role: str) -> str:
-        """A model service's lane priority (`lane_priority` below), its device resolved in this process."""
-        return lane_priority(role, self.prioritize_inference, self.service_cpus is not None,
-                             resolve_device(self.role_device(role)))
-
     def role_device(self, role: str, index: int = 0) -> str:
         """The device a role is placed on: "training" or "inference" (replica `index`), unresolved."""
         if role == "training":
@@ -99,6 +91,29 @@ class RuntimeConfig:
             return self.inference_devices[index % len(self.inference_devices)] if self.inference_devices \
                 else self.device
         raise ValueError(f"unknown role {role!r}")
+
+
+@dataclass
+class RuntimeConfig(RuntimeConfigBase):
+    """The embedded runtime's: the common settings, and placement by this process's cores."""
+
+    # Placement by resource (vlamux.utils.placement): the model services (this process's threads, and
+    # torch's intra-op threads, one per core) on `service_cpus`, the simulator workers on `env_cpus`.
+    # None: wherever the OS puts them (today's shared setting).
+    service_cpus: tuple[int, ...] | None = None
+    env_cpus: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        from vlamux.utils.placement import check_cpus
+
+        super().__post_init__()
+        self.service_cpus = check_cpus(self.service_cpus, "service_cpus")
+        self.env_cpus = check_cpus(self.env_cpus, "env_cpus")
+
+    def lane_priority(self, role: str) -> str:
+        """A model service's lane priority (`lane_priority` below), its device resolved in this process."""
+        return lane_priority(role, self.prioritize_inference, self.service_cpus is not None,
+                             resolve_device(self.role_device(role)))
 
 
 def lane_priority(role: str, prioritize_inference: bool, own_cores: bool, device) -> str:
@@ -129,21 +144,13 @@ def placed_backbone(spec: BackboneSpec, device: str, dtype: str) -> Backbone:
     return build_backbone(spec, device=dev, dtype=resolve_dtype(dtype, dev))
 
 
-@dataclass
-class _Recipe:
-    head_spec: HeadSpec
-    optim: OptimizerSpec | None
-    seed: int
-    backbone_id: str | None = None
-
-
 class EmbeddedRuntime:
     def __init__(self, config: RuntimeConfig | None = None):
         self.config = config or RuntimeConfig()
         self._backbones: dict[str, dict[str, Backbone]] = {}  # device -> name -> backbone, shared by its roles
         self.backbone = next(iter(self._backbones_on(self.config.role_device("training")).values()))
         self.publisher = PolicyPublisher()
-        self.latest: dict[str, PolicySnapshot] = {}  # newest published version per tenant
+        self.book = SlotBook()  # recipes, checkpoints and newest versions: what a restart restores
         self.publisher.subscribe("runtime", self._remember)
         self.training = self._new_training()
         self.replicas: dict[str, InferenceModelService] = {}
@@ -154,9 +161,9 @@ class EmbeddedRuntime:
         self.health = HealthManager(self.config.health_interval_s, self.config.hung_after_s,
                                     env_check=self.environment.check_workers,
                                     env_check_every_s=self.config.env_check_every_s)
-        self._recipes: dict[str, _Recipe] = {}
-        self._checkpoints: dict[str, Path] = {}
         self._lock = threading.RLock()
+        self.router = Router(self._candidates, self._send, (QueueClosed,), self.book.serves, self._no_replica,
+                             self._later)
         self._calibration = SingleFlight()
         self._names = itertools.count()
         self._devices: dict[str, str] = {}  # replica -> its device
@@ -211,24 +218,35 @@ class EmbeddedRuntime:
                     stats: dict | None = None, backbone: str | None = None) -> Future:
         """backbone: the name of the backbone the tenant's head reads (default: the service's first)."""
         backbone_id = self.backbone_id(backbone)
-        with self._lock:
-            self._recipes[tenant] = _Recipe(head_spec, optim, seed, backbone_id)
+        self.book.created(tenant, SlotRecipe(head_spec, optim, seed, backbone_id))
         return self.training.create_slot(tenant, head_spec, optim, seed, stats, backbone_id)
 
     def remove_slot(self, tenant: str) -> Future:
-        """Free the tenant's slot in training and in every replica, after its queued operations; a
-        restart no longer brings it back."""
-        with self._lock:
-            self._recipes.pop(tenant, None)
-            self._checkpoints.pop(tenant, None)
-        fut = self.training.remove_slot(tenant)
-        # refused (never made, or the training role went down meanwhile): the replicas drop it all the same
-        fut.add_done_callback(lambda f: f.exception() is not None and self.publisher.retire(tenant))
-        return fut
+        """Free the tenant's slot in training and in every replica, after its queued operations (the
+        future resolves once the replicas dropped it); a restart no longer brings it back."""
+        self.book.removed(tenant)
+        out: Future = Future()
+
+        def removed(f: Future) -> None:
+            e = f.exception()
+            if e is not None:  # refused (never made, or the training role went down): the replicas drop it all the same
+                self.publisher.retire(tenant)
+
+            def delivered() -> None:  # resolved once every replica dropped it, as on Ray
+                if not self.publisher.flush(30):
+                    log.warning("removing %s: the replicas had not all dropped it after 30 s", tenant)
+                out.set_exception(e) if e is not None else out.set_result(f.result())
+
+            # off the training engine's thread, which must not wait for the replicas
+            threading.Thread(target=delivered, name="vlamux-remove-slot", daemon=True).start()
+
+        self.training.remove_slot(tenant).add_done_callback(removed)
+        return out
 
     def serve(self, snap: PolicySnapshot, timeout_s: float = 30.0) -> None:
         """Serve a policy version that no training slot holds (a finished job's, from its checkpoint):
         every replica takes it before this returns."""
+        self.book.keep(snap, served=True)
         self.publisher.publish(snap)
         self.publisher.flush(timeout_s)
 
@@ -279,7 +297,8 @@ class EmbeddedRuntime:
 
     def _tracked(self, tenant: str, path, fut: Future) -> Future:
         """Remember the tenant's newest checkpoint once the call succeeds: a restart restores from it."""
-        fut.add_done_callback(lambda f: f.exception() is None and self._checkpoints.__setitem__(tenant, Path(path)))
+        making = self.book.making(tenant)
+        fut.add_done_callback(lambda f: f.exception() is None and self.book.file_used(tenant, path, making))
         return fut
 
     def set_lr(self, tenant: str, lr: float, fresh_moments: bool = False) -> Future:
@@ -319,27 +338,20 @@ class EmbeddedRuntime:
         except Exception:  # noqa: BLE001 - it is being replaced because it is broken
             log.exception("stopping the failed training role")
         new = self._new_training()
-        with self._lock:
-            recipes, checkpoints = dict(self._recipes), dict(self._checkpoints)
-        for tenant, r in recipes.items():
-            slot = new.runner.create_slot(tenant, r.head_spec, r.optim, r.seed, r.backbone_id)
-            published = self.latest.get(tenant)
-            if tenant in checkpoints:
-                slot.load_state(checkpoints[tenant])
-                if published is not None and published.version >= slot.version:
-                    slot.newer_than(published.version)
-                    new._publish(tenant)  # the replicas serve what training now holds
-            elif published is not None:
-                new.runner.apply_policy(published)
+        # queued before the engine starts: each tenant's first operation is its restore
+        restored = [new.restore_slot(r) for r in self.book.plan()]
         self.training = new.start()
+        for f in restored:
+            try:
+                f.result(RESTORE_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - that tenant's calls answer for it; the others are back
+                log.exception("restoring a tenant after a training restart")
 
     def _remember(self, snap: PolicySnapshot | Retired) -> None:
         if isinstance(snap, Retired):
-            self.latest.pop(snap.tenant, None)
-            return
-        old = self.latest.get(snap.tenant)
-        if old is None or old.version <= snap.version:
-            self.latest[snap.tenant] = snap
+            self.book.dropped(snap.tenant)
+        else:
+            self.book.keep(snap)
 
     def version(self, tenant: str) -> int:
         return self.training.version(tenant)
@@ -377,7 +389,7 @@ class EmbeddedRuntime:
                                     group_cap=self.config.group_cap, group_budget_s=self.config.group_budget_s,
                                     priority=self.config.lane_priority("inference"))
         self.publisher.subscribe(name, svc.stage_policy)
-        for snap in list(self.latest.values()):  # it serves every tenant from its newest version on
+        for snap in self.book.snapshots():  # it serves every tenant from its newest version on
             svc.stage_policy(snap)
         svc.start()
         with self._lock:
@@ -403,40 +415,38 @@ class EmbeddedRuntime:
         svc.stop()
 
     def predict(self, tenant: str, obs: Observation, deterministic: bool = False,
-                deadline_s: float | None = None, _tries: int = 3) -> Future:
-        """A future of {"actions", "policy_version"} from the least loaded live replica."""
-        out: Future = Future()
-        self._route(out, tenant, obs, deterministic, deadline_s, _tries)
-        return out
+                deadline_s: float | None = None) -> Future:
+        """A future of {"actions", "policy_version"} from the least loaded live replica (`Router`)."""
+        return self.router.predict(tenant, obs, deterministic, deadline_s)
 
-    def _route(self, out: Future, tenant, obs, deterministic, deadline_s, tries: int) -> None:
+    def _candidates(self, tenant: str, avoid: frozenset) -> list[str]:
         with self._lock:
-            live = [s for s in self.replicas.values() if s.alive() and s.serves(tenant)]
-        if not live:
-            if tenant not in self.latest:
-                out.set_exception(UnknownTenantError(f"no policy for tenant {tenant!r}"))
-            else:
-                out.set_exception(QueueClosed(f"no live inference replica serves tenant {tenant!r}"))
-            return
-        svc = min(live, key=lambda s: s.queue.depth()[1])
-        try:
-            inner = svc.predict(tenant, obs, deterministic, deadline_s)
-        except (QueueClosed, UnknownTenantError) as e:
-            if tries > 1:
-                return self._route(out, tenant, obs, deterministic, deadline_s, tries - 1)
-            out.set_exception(e)
-            return
+            live = [(n, s) for n, s in self.replicas.items() if s.alive() and s.serves(tenant)]
+        fresh = [x for x in live if x[0] not in avoid] or live
+        return [n for n, _ in sorted(fresh, key=lambda x: x[1].queue.depth()[1])]
 
-        def done(f: Future) -> None:
-            e = f.exception()
-            if isinstance(e, QueueClosed) and tries > 1:  # its replica went away: send it to another
-                self._route(out, tenant, obs, deterministic, deadline_s, tries - 1)
-            elif e is not None:
-                out.set_exception(e)
-            else:
-                out.set_result(f.result())
+    def _send(self, name: str, tenant: str, obs, deterministic: bool, deadline_s: float | None) -> Future:
+        with self._lock:
+            svc = self.replicas.get(name)
+        if svc is None:
+            raise QueueClosed(f"inference replica {name!r} was removed")
+        return svc.predict(tenant, obs, deterministic, deadline_s)
 
-        inner.add_done_callback(done)
+    def _no_replica(self, tenant: str) -> Exception:
+        if not self.book.serves(tenant):
+            return UnknownTenantError(f"no policy for tenant {tenant!r}")
+        return QueueClosed(f"no live inference replica serves tenant {tenant!r}")
+
+    @staticmethod
+    def _later(fn, delay_s: float) -> None:
+        # a replica's queue closing answers on its engine's thread: sent on from there, as it is not
+        # an engine's work; a wait for a restart goes to a timer
+        if delay_s <= 0:
+            fn()
+        else:
+            timer = threading.Timer(delay_s, fn)
+            timer.daemon = True
+            timer.start()
 
     def metrics(self) -> dict:
         return {
@@ -444,5 +454,6 @@ class EmbeddedRuntime:
             "inference": {n: s.metrics() for n, s in self.replicas.items()},
             "environment": self.environment.metrics(),
             "health": {n: r.restarts for n, r in self.health.roles.items()},
-            "control_plane": {"delivered": self.publisher.delivered, "bytes": self.publisher.bytes_sent},
+            "control_plane": {"delivered": self.publisher.delivered, "bytes": self.publisher.bytes_sent,
+                              "busy_s": self.publisher.busy_s},
         }

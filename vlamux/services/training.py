@@ -28,6 +28,7 @@ from vlamux.services.accounting import Accounting
 from vlamux.services.engine import EngineLoop
 from vlamux.services.control import PolicyPublisher
 from vlamux.services.queues import TrainingQueue, TrainOp
+from vlamux.services.slot_book import Restore
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,12 @@ class TrainingModelService(EngineLoop):
         """Free the tenant's slot (module, optimizer state, statistics), in order after its other
         operations, and have every replica free its serving slot."""
         return self.queue.submit(TrainOp(tenant, "remove_slot"))
+
+    def restore_slot(self, restore: Restore) -> Future:
+        """Bring a tenant back after a restart (`vlamux.services.slot_book`): its slot made again (or
+        the one there taken), loaded from its checkpoint, else given its newest published weights; in
+        order with its other operations. A future of {"policy_version"}."""
+        return self.queue.submit(TrainOp(restore.tenant, "restore_slot", restore))
 
     def export_policy(self, tenant: str) -> Future:
         """The tenant's current policy version (a PolicySnapshot), taken in order with its other
@@ -190,6 +197,8 @@ class TrainingModelService(EngineLoop):
             slot.newer_than(published)
             self._publish(op.tenant)
             return {"policy_version": slot.version}
+        if op.kind == "restore_slot":
+            return self._restore(op.payload)
         if op.kind == "export_adapter":
             path, base = op.payload
             return {"path": str(self.runner.slot(op.tenant).export_adapter(path, base))}
@@ -209,6 +218,19 @@ class TrainingModelService(EngineLoop):
             self._publish(op.tenant)
             return {"policy_version": self.version(op.tenant)}
         raise InvalidInputError(f"unknown training operation {op.kind!r}")
+
+    def _restore(self, r: Restore) -> dict:
+        slot = self.runner.slots.get(r.tenant) or self.runner.create_slot(
+            r.tenant, r.recipe.head_spec, r.recipe.optim, r.recipe.seed, r.recipe.backbone_id)
+        if r.checkpoint is not None:
+            slot.load_state(r.checkpoint)
+            if r.snapshot is not None and r.snapshot.version >= slot.version:
+                # versions past the checkpoint were published: training's weights get a new number
+                slot.newer_than(r.snapshot.version)
+                self._publish(r.tenant)  # the replicas serve what training now holds
+        elif r.snapshot is not None:
+            self.runner.apply_policy(r.snapshot)
+        return {"policy_version": slot.version}
 
     def _start_from_policy(self, slot, path) -> None:
         snap, _ = policy_snapshot(path, self.runner.backbones[slot.backbone_id], slot.tenant)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,6 +20,9 @@ from vlamux.errors import VlamuxError
 from vlamux.model.device import to_numpy
 from vlamux.model.batch import obs_to_observation
 from vlamux.workflows.rollout import replace_rows
+
+if TYPE_CHECKING:  # the contract, for annotations only
+    from vlamux.services.contract import Runtime
 
 
 def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -31,7 +35,7 @@ def wilson(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def evaluate(services, tenant: str, env: EnvSpec, tasks: list[str], episodes: int, seed: int = 10_000,
+def evaluate(services: Runtime, tenant: str, env: EnvSpec, tasks: list[str], episodes: int, seed: int = 10_000,
              n_envs: int = 8, env_workers: int = 1, deterministic: bool = True, timeout_s: float = 120.0,
              on_episode=None, policy_version: int | None = None) -> dict:
     """Success of `tenant`'s served policy on each task: {task: {successes, episodes, rate, ci95}},

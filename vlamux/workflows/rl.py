@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -39,6 +40,9 @@ from vlamux.model.policy_loss import PolicyLoss
 from vlamux.model.batch import obs_to_observation
 from vlamux.workflows.advantages import gae, group_advantages
 from vlamux.workflows.rollout import Segment, SegmentPool, SegmentShape, gather, replace_rows
+
+if TYPE_CHECKING:  # the contract, for annotations only
+    from vlamux.services.contract import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +120,7 @@ class Stats:
 class Sampler:
     """Lanes 1 and 2 for one sub-batch: step the envs, ask the Inference Queue for each chunk."""
 
-    def __init__(self, services, tenant: str, cfg: RLConfig, index: int, stats: Stats, lock: threading.Lock):
+    def __init__(self, services: Runtime, tenant: str, cfg: RLConfig, index: int, stats: Stats, lock: threading.Lock):
         self.services, self.tenant, self.cfg, self.index = services, tenant, cfg, index
         self.stats, self.lock = stats, lock
         self.env = services.environment
@@ -204,7 +208,7 @@ class Sampler:
 class Learner:
     """Lane 3: advantages and updates through the Training Queue, one optimizer step per epoch."""
 
-    def __init__(self, services, tenant: str, cfg: RLConfig, stats: Stats, lock: threading.Lock):
+    def __init__(self, services: Runtime, tenant: str, cfg: RLConfig, stats: Stats, lock: threading.Lock):
         self.services, self.tenant, self.cfg, self.stats, self.lock = services, tenant, cfg, stats, lock
         self.gen = torch.Generator().manual_seed(cfg.seed)
         self.updates = 0
@@ -313,7 +317,7 @@ class RLRun:
     """One tenant's RL job on the services. `run()` returns its Stats; `on_progress(stats)` is called
     after every trained segment."""
 
-    def __init__(self, services, tenant: str, cfg: RLConfig, on_progress=None):
+    def __init__(self, services: Runtime, tenant: str, cfg: RLConfig, on_progress=None):
         self.services, self.tenant, self.cfg = services, tenant, cfg
         self.on_progress = on_progress or (lambda stats: None)
         self.stats = Stats()

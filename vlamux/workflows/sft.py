@@ -7,8 +7,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from vlamux.errors import InvalidInputError
+
+if TYPE_CHECKING:  # the contract, for annotations only
+    from vlamux.services.contract import Runtime
 
 READER_OPTIONS = frozenset({"instruction", "filter_key", "rotate_images", "fps"})  # robomimic / LIBERO files
 
@@ -59,7 +63,7 @@ class SFTRun:
     """`open()` opens the dataset and returns its statistics (install them in the slot before
     training); `run(start_step)` trains to `cfg.steps`, calling `on_step(stats)` after each step."""
 
-    def __init__(self, services, tenant: str, horizon: int, cfg: SFTConfig, on_step=None):
+    def __init__(self, services: Runtime, tenant: str, horizon: int, cfg: SFTConfig, on_step=None):
         self.services, self.tenant, self.horizon, self.cfg = services, tenant, horizon, cfg
         self.on_step = on_step or (lambda stats: None)
         self.stats = SFTStats()
