@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 def test_serve_places_the_services_as_asked(tmp_path):
     from vlamux.api.host import ServiceHost
-    from vlamux.cli import serve_config
+    from vlamux.cli.server import serve_config
 
     config = serve_config(tmp_path, "tiny", "cpu", "bfloat16", "cpu", "cpu,cpu", 2, None, None, 8.0)
     assert config.inference_devices == ("cpu", "cpu") and config.inference_replicas == 2
@@ -49,7 +49,7 @@ def test_serve_refuses_a_placement_this_machine_cannot_run(tmp_path, args, hint)
 
 
 def test_serve_config_checks_every_role_device():
-    from vlamux.cli import serve_config
+    from vlamux.cli.server import serve_config
 
     with pytest.raises(click.BadParameter) as e:
         serve_config(Path("x"), "tiny", "cpu", "auto", "cuda:3", None, 1, None, None, 8.0)

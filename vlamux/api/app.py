@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import time
@@ -26,15 +25,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vlamux import wire
 from vlamux.api.admission import ADMITTED, Admission
 from vlamux.api.errors import ApiError, BodyLimit, error_response, translate
-from vlamux.api.file_routes import add_file_routes
 from vlamux.api.access import Principal
+from vlamux.api.file_routes import add_file_routes
 from vlamux.api.host import NotFound, ServiceHost, json_safe
 from vlamux.api.keycache import TTLCache
-from vlamux.api.validate import (MSGPACK, MSGPACK_OUT, KeyIn, LoadStateIn, OptimStepIn, QuotasIn, ResetIn, SessionIn,
-                                 SlotIn, TenantIn, check_env, check_head, check_optimizer, env_error, fits_head,
-                                 floats, head_error, invalid, obs_out, observation)
-from vlamux.envs.base import EnvError, EnvWorkerCrashed
-from vlamux.errors import InvalidInputError, VlamuxError
+from vlamux.api.session_routes import add_session_routes
+from vlamux.api.validate import (MSGPACK, MSGPACK_OUT, KeyIn, LoadStateIn, OptimStepIn, QuotasIn, SlotIn, TenantIn,
+                                 check_head, check_optimizer, fits_head, floats, head_error, invalid, observation)
+from vlamux.errors import VlamuxError
 
 log = logging.getLogger(__name__)
 STATIC = Path(__file__).parent / "static"
@@ -413,50 +411,7 @@ def create_app(host: ServiceHost) -> FastAPI:
                 await _until_done(tracked.future, wait)
         return {"future": tracked.view()}
 
-    # ---- environment sessions --------------------------------------------------------------
-    @app.post("/v1/sessions", status_code=201)
-    def open_session(body: SessionIn, t: str = Depends(tenant)):
-        check_env(body.env)
-        try:
-            info = host.sessions.open(t, body.env, body.n_envs, body.seed)
-        except (InvalidInputError, EnvError) as e:
-            if isinstance(e, (TimeoutError, EnvWorkerCrashed)):  # the service's trouble, not the spec's
-                raise
-            raise env_error(e) from None
-        return {"session": _session_view(info)}
-
-    @app.get("/v1/sessions")
-    def sessions(t: str = Depends(tenant)):
-        return {"sessions": [_session_view(s) for s in host.sessions.list(t)]}
-
-    @app.post("/v1/sessions/{session_id}/reset", responses=MSGPACK_OUT)
-    def reset(session_id: str, body: ResetIn | None = None, t: str = Depends(tenant)):
-        obs, _ = host.sessions.reset(t, session_id, seed=body.seed if body else None)
-        return packed({"observation": obs_out(obs)})
-
-    @app.post("/v1/sessions/{session_id}/step", openapi_extra=MSGPACK, responses=MSGPACK_OUT)
-    def step(session_id: str, t: str = Depends(tenant), raw: bytes = Depends(msgpack_body)):
-        host.sessions.info(t, session_id)  # an unknown session: 404 before decoding
-        body = wire.loads(raw)
-        if not isinstance(body, dict):
-            raise ApiError(422, "invalid_input", "body: expected a map with 'actions'", "body")
-        a = body.get("actions")
-        if not isinstance(a, np.ndarray) or a.dtype.kind != "f" or a.ndim not in (2, 3):
-            raise ApiError(422, "invalid_input", "actions: expected float [N, A] or [N, H, A]", "actions")
-        with np.errstate(over="ignore"):
-            a = a.astype(np.float32)  # before the check: a float64 1e300 is infinite as float32
-        if not np.isfinite(a).all():
-            raise invalid("actions", "contains NaN or infinity (as float32)")
-        obs, reward, term, trunc, infos = host.sessions.step(t, session_id, a)
-        success = [bool(i.get("success", False)) if isinstance(i, dict) else False for i in (infos or [])]
-        return packed({"observation": obs_out(obs), "reward": np.asarray(reward, np.float32),
-                       "terminated": np.asarray(term, bool), "truncated": np.asarray(trunc, bool),
-                       "success": success})
-
-    @app.delete("/v1/sessions/{session_id}", status_code=204)
-    def close_session(session_id: str, t: str = Depends(tenant)):
-        host.sessions.close(t, session_id)
-        return Response(status_code=204)
+    add_session_routes(app, host, tenant, msgpack_body, packed)
 
     # ---- usage -----------------------------------------------------------------------------
     @app.get("/v1/usage")
@@ -495,13 +450,6 @@ async def _until_done(fut, timeout_s: float) -> None:
         await asyncio.wait_for(asyncio.shield(done), timeout_s)
     except asyncio.TimeoutError:
         pass
-
-
-def _session_view(s: dict) -> dict:
-    spec = s.get("spec")
-    return {"id": s["session_id"], "n_envs": s["n_envs"], "n_workers": s["n_workers"],
-            "env": dataclasses.asdict(spec) if dataclasses.is_dataclass(spec) else spec,
-            "env_steps": s.get("env_steps", 0), "idle_s": round(s.get("idle_s", 0.0), 3)}
 
 
 def _usage(host: ServiceHost, tenant_id: str | None) -> dict:

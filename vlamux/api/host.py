@@ -145,16 +145,11 @@ class ServiceHost:
 
     def _placement(self) -> dict:
         """The runtime's backbones and placement, as the service was configured."""
-        from vlamux.model.backbones import spec_from_arg
+        from vlamux.model.backbones import named_backbones, spec_from_arg
 
         c = self.config
-        extra = {}
-        for item in c.extra_backbones:
-            name, sep, value = str(item).partition("=")
-            if not sep or not name or not value:
-                raise ValueError(f"extra backbone {item!r}: expected NAME=PRESET_OR_DIRECTORY")
-            extra[name] = spec_from_arg(value, vlm=c.vlm)
-        return {"backbone": spec_from_arg(c.backbone, vlm=c.vlm), "backbones": extra, "device": c.device, "dtype": c.dtype,
+        return {"backbone": spec_from_arg(c.backbone, vlm=c.vlm), "backbones": named_backbones(c.extra_backbones, c.vlm),
+                "device": c.device, "dtype": c.dtype,
                 "training_device": c.training_device, "inference_devices": tuple(c.inference_devices),
                 "inference_replicas": c.inference_replicas}
 

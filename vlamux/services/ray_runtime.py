@@ -71,6 +71,7 @@ class RayRuntime:
         self._calibration = SingleFlight()
         self.replicas: dict[str, ray.actor.ActorHandle] = {}
         self._outstanding: dict[str, int] = {}  # requests sent to each replica, not yet answered
+        self._sent: dict[str, int] = {}  # requests sent to each replica
         self._incarnations: dict[str, str] = {}
         self.book = SlotBook()  # recipes, checkpoints and newest versions: what a restart restores
         self._last_call: dict[str, Future] = {}  # each tenant's newest training call (`_in_order`)
@@ -441,12 +442,14 @@ class RayRuntime:
         with self._lock:  # the replicas with the fewest requests outstanding from this driver first
             names = [n for n in self.replicas if n not in avoid and n not in self._restoring] or \
                 [n for n in self.replicas if n not in avoid] or list(self.replicas)
-            return sorted(names, key=lambda n: self._outstanding.get(n, 0))
+            # of equal ones the replica sent the fewest requests (a new one takes its share)
+            return sorted(names, key=lambda n: (self._outstanding.get(n, 0), self._sent.get(n, 0)))
 
     def _send(self, name: str, tenant: str, obs, deterministic: bool, deadline_s: float | None) -> Future:
         with self._lock:
             handle = self.replicas[name]
             self._outstanding[name] = self._outstanding.get(name, 0) + 1
+            self._sent[name] = self._sent.get(name, 0) + 1
         fut = handle.predict.remote(tenant, obs, deterministic, deadline_s).future()
 
         def answered(_) -> None:

@@ -162,6 +162,7 @@ class EmbeddedRuntime:
                                     env_check=self.environment.check_workers,
                                     env_check_every_s=self.config.env_check_every_s)
         self._lock = threading.RLock()
+        self._sent: dict[str, int] = {}  # requests sent to each replica (`_candidates`)
         self.router = Router(self._candidates, self._send, (QueueClosed,), self.book.serves, self._no_replica,
                              self._later)
         self._calibration = SingleFlight()
@@ -423,13 +424,16 @@ class EmbeddedRuntime:
         with self._lock:
             live = [(n, s) for n, s in self.replicas.items() if s.alive() and s.serves(tenant)]
         fresh = [x for x in live if x[0] not in avoid] or live
-        return [n for n, _ in sorted(fresh, key=lambda x: x[1].queue.depth()[1])]
+        # the shortest queue; of equal ones the replica sent the fewest requests (a new one takes its share)
+        return [n for n, _ in sorted(fresh, key=lambda x: (x[1].queue.depth()[1], self._sent.get(x[0], 0)))]
 
     def _send(self, name: str, tenant: str, obs, deterministic: bool, deadline_s: float | None) -> Future:
         with self._lock:
             svc = self.replicas.get(name)
         if svc is None:
             raise QueueClosed(f"inference replica {name!r} was removed")
+        with self._lock:
+            self._sent[name] = self._sent.get(name, 0) + 1
         return svc.predict(tenant, obs, deterministic, deadline_s)
 
     def _no_replica(self, tenant: str) -> Exception:

@@ -123,6 +123,17 @@ def spec_from_arg(value: str, vlm: str | None = None, **hf_options) -> BackboneS
                      f"or a model directory")
 
 
+def named_backbones(items, vlm: str | None = None) -> dict[str, BackboneSpec]:
+    """`--add-backbone NAME=PRESET_OR_DIR` values by name (ValueError naming a malformed one)."""
+    out = {}
+    for item in items:
+        name, sep, value = str(item).partition("=")
+        if not sep or not name or not value:
+            raise ValueError(f"extra backbone {item!r}: expected NAME=PRESET_OR_DIR")
+        out[name] = spec_from_arg(value, vlm=vlm)
+    return out
+
+
 def build_backbone(spec: BackboneSpec | None = None, device: str | torch.device = "cpu",
                    dtype: torch.dtype = torch.float32) -> Backbone:
     """Build, freeze and place a backbone."""

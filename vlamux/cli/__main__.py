@@ -1,0 +1,3 @@
+from vlamux.cli import main
+
+main()
