@@ -65,6 +65,17 @@ def test_keys(server, tenant):
     assert r.exit_code == 1 and "[404 not_found]" in r.stderr
 
 
+def test_policies_delete_frees_a_training_slot(server, tenant):
+    from vlamux.sdk import Client
+
+    slot = Client(server["url"], api_key=tenant["key"]).training_client(head=HEAD)
+    pid = slot.id
+    r = run(server, "policies", "delete", pid, key=tenant["key"])
+    assert r.exit_code == 0 and r.stdout.strip() == f"training slot {pid} deleted", r.output
+    r = run(server, "policies", "delete", pid, key=tenant["key"])
+    assert r.exit_code == 1 and "[404 not_found]" in r.stderr
+
+
 def test_errors_are_one_line(server, tenant, tmp_path):
     r = run(server, "job", "nope", key=tenant["key"])
     assert r.exit_code == 1 and r.stderr == "error: no job 'nope' [404 not_found]\n" and r.stdout == ""

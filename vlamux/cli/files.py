@@ -66,7 +66,7 @@ def policies_download(ctx, policy_id: str, version: int | None, out: str | None,
 def policies_delete(ctx, policy_id: str) -> None:
     """Delete training slot POLICY_ID: it frees its place in your max_training_slots; its saved
     checkpoints stay downloadable (download --version)."""
-    client(ctx).trainingclient(policy_id=policy_id).delete()
+    client(ctx).training_client(policy_id=policy_id).delete()
     click.echo(f"training slot {policy_id} deleted")
 
 
