@@ -32,13 +32,13 @@ $(VENV)/.libero: $(VENV)/.installed scripts/install-libero.sh
 demo: setup
 	$(PY) -m vlamux.main_job
 
-# Two test files at a time (the suite keeps about one core busy on its own), one torch thread each
-# (two workers' OpenMP threads spinning on two cores slowed the heaviest files five-fold), then the
-# tests marked serial, one at a time: they bound times and latencies that a neighbour would skew.
-# Both phases run; either failing fails the target.
+# Two test files at a time, the longest first (tests/conftest.py groups and orders them), one torch
+# thread each (two workers' OpenMP threads spinning on two cores slowed the heaviest files five-fold),
+# then the tests marked serial, one at a time: they bound times and latencies that a neighbour would
+# skew. Both phases run; either failing fails the target.
 TEST_WORKERS ?= 2
 test: setup libero
-	@OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"; parallel=$$?; \
+	@OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not serial"; parallel=$$?; \
 	$(PY) -m pytest -q -m serial; serial=$$?; \
 	echo "make test: parallel phase exit $$parallel, serial phase exit $$serial"; \
 	[ $$parallel -eq 0 ] && [ $$serial -eq 0 ]

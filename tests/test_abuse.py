@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.serial]  # bounds on other tenants' latency
+pytestmark = pytest.mark.timeout(600)  # the tests that bound other tenants' latency are marked serial
 
 HEAD = {"kind": "gaussian", "action_dim": 4, "horizon": 4, "state_dim": 8}
 
@@ -300,6 +300,7 @@ def test_gym_backend_is_off_for_tenants_by_default(served):
 
 # ---- finding 5: keys and rates are resolved in memory; revocation still takes effect ---------------
 
+@pytest.mark.serial  # within 2 s
 def test_a_key_revoked_outside_this_host_stops_working_within_the_cache_time(tmp_path):
     """Keys are cached (digests, a few seconds) so that authenticating costs no store read; a key
     revoked by another process on the same store (here: the store directly) is refused within
@@ -346,6 +347,7 @@ def _latencies_while(url: str, headers: dict, path: str, busy) -> list[float]:
     return out
 
 
+@pytest.mark.serial  # others' latency under 1 s
 def test_hostile_bodies_are_refused_before_decoding_and_others_are_not_slowed(served):
     """Finding 3: a 15 MB msgpack body of empty arrays to /v1/policies/ANY/predict froze the server
     for 19 s; four parallel 60 MB JSON bodies to /v1/jobs took another tenant's /v1/me to 5.7 s."""
@@ -394,6 +396,7 @@ def test_hostile_bodies_are_refused_before_decoding_and_others_are_not_slowed(se
     assert all("msgpack objects" in e["message"] for t, _, e in answers if t != "json")
 
 
+@pytest.mark.serial  # latency and wake-up bounds
 def test_long_polls_hold_no_thread_and_are_capped_per_tenant(tmp_path):
     """Finding 4: 45 parallel GET /v1/futures/{id}?wait=30 of one tenant took another tenant's
     GET /v1/jobs to 28.9 s. In-process server (tests/api_server.py): the pending future is one the
@@ -494,6 +497,7 @@ def test_error_messages_name_no_server_paths():
     assert "/" not in public_message("FileNotFoundError: [Errno 2] No such file: '/data/other-tenant/x.json'")
 
 
+@pytest.mark.serial  # a time-out's bounds
 def test_a_trickled_body_times_out_and_the_server_goes_on(tmp_path):
     """A client that sends half its body and stops gets 408 after body_timeout_s, not a held request."""
     import time
@@ -516,6 +520,7 @@ def test_a_trickled_body_times_out_and_the_server_goes_on(tmp_path):
         assert httpx.get(f"{url}/healthz", timeout=10).status_code == 200
 
 
+@pytest.mark.serial  # answers in a time window
 def test_a_flooding_tenant_is_refused_at_the_door_and_held_back(served):
     """Finding 5: a tenant flooding without back-off kept its 50 req/s and slowed everyone. Over its
     rate, a known key is refused before routing and each refusal is held ~1 s: 8 connections that

@@ -202,6 +202,59 @@ def test_unfinished_jobs_survive_reopen(open_store):
     s2.close()
 
 
+def test_training_slots_have_their_own_records(open_store):
+    s1 = open_store()
+    a, b = s1.create_tenant("acme"), s1.create_tenant("beta")
+    slot = s1.create_slot(a.id, "s1", "mine", {"head": {"kind": "gaussian"}}, "/w/s1")
+    assert slot.state == "creating" and s1.list_jobs(a.id) == []  # a slot is not a job
+    s1.set_slot_state(slot.id, "ready")
+    gone = s1.create_slot(a.id, "s2", "old", {}, "/w/s2")
+    s1.set_slot_state(gone.id, "deleted")
+    s1.add_checkpoint(a.id, slot.id, 3, "/w/s1/x.safetensors", 10, SHA)
+    assert s1.get_slot(slot.id, b.id) is None and s1.list_slots(b.id) == []  # another tenant's slot is not there
+    with pytest.raises(ValueError, match="state must be one of"):
+        s1.set_slot_state(slot.id, "running")
+    with pytest.raises(KeyError, match="no training slot"):
+        s1.set_slot_state("nope", "ready")
+    s1.close()
+    s2 = open_store()  # a restarted server restores the live ones
+    assert [r.id for r in s2.live_slots()] == [slot.id]
+    assert s2.get_slot(slot.id, a.id).spec == {"head": {"kind": "gaussian"}}
+    assert [c.policy_version for c in s2.list_checkpoints(a.id, policy_id=slot.id)] == [3]
+    s2.close()
+
+
+def test_a_store_that_kept_slots_as_jobs_moves_them_to_their_table(open_store):
+    """Stores written before training slots had a table held them as jobs of kind "slot"."""
+    from vlamux.store.models import JobEventRow, JobRow, UsageRow
+
+    s1 = open_store()
+    t = s1.create_tenant("acme")
+    job = s1.create_job(t.id, "j", "sft", {}, "/w/j")
+    with s1._write() as s:  # written as the old code wrote a slot
+        for sid, state in (("live", "running"), ("new", "queued"), ("broke", "failed"), ("del", "cancelled")):
+            s.add(JobRow(id=sid, tenant_id=t.id, name=f"slot-{sid}", kind="slot", spec={"seed": 1}, state=state,
+                         created_at=1.0, updated_at=1.0, error="why" if state == "failed" else None, result=None,
+                         progress=None, workdir=f"/w/{sid}"))
+            s.flush()
+            s.add(JobEventRow(job_id=sid, at=1.0, state="queued", detail="created"))
+            s.add(UsageRow(tenant_id=t.id, kind="train_steps", amount=2.0, job_id=sid, at=1.0))
+    s1.add_checkpoint(t.id, "live", 4, "/w/live/a.safetensors", 10, SHA)
+    s1.close()
+    s2 = open_store()
+    assert [j.id for j in s2.list_jobs(t.id)] == [job.id]
+    states = {r.id: r.state for r in s2.list_slots(t.id)}
+    assert states == {"live": "ready", "new": "creating", "broke": "failed", "del": "deleted"}
+    assert s2.get_slot("broke").error == "why" and s2.get_slot("live").workdir == "/w/live"
+    assert {r.id for r in s2.live_slots()} == {"live", "new"}
+    assert s2.list_checkpoints(t.id, policy_id="live")[0].policy_version == 4
+    assert s2.usage_totals(t.id) == {t.id: {"train_steps": 8.0}}  # usage kept, no longer naming a job
+    s2.close()
+    s3 = open_store()  # opening again moves nothing twice
+    assert len(s3.list_slots(t.id)) == 4 and [j.id for j in s3.list_jobs(t.id)] == [job.id]
+    s3.close()
+
+
 def test_concurrent_usage_and_state_writes_are_exact(store):
     tenants = [store.create_tenant(f"t{i}").id for i in range(2)]
     jobs = [store.create_job(tenants[0], f"j{i}", "sft", {}, "/w").id for i in range(8)]

@@ -16,6 +16,11 @@ def public_message(message: str) -> str:
     return _PATH.sub(r"\1", message)
 
 
+def public_error(e: BaseException) -> str:
+    """An exception as a tenant reads it: its type and message, no service path."""
+    return public_message(f"{type(e).__name__}: {e}")
+
+
 class VlamuxError(Exception):
     """Base class of all vlamux errors."""
 

@@ -27,11 +27,13 @@ from vlamux.api.admission import ADMITTED, Admission
 from vlamux.api.errors import ApiError, BodyLimit, error_response, translate
 from vlamux.api.access import Principal
 from vlamux.api.file_routes import add_file_routes
-from vlamux.api.host import NotFound, ServiceHost, json_safe
+from vlamux.api.faults import NotFound
+from vlamux.api.host import ServiceHost
+from vlamux.api.jobs import json_safe
 from vlamux.api.keycache import TTLCache
 from vlamux.api.session_routes import add_session_routes
 from vlamux.api.validate import (MSGPACK, MSGPACK_OUT, KeyIn, LoadStateIn, OptimStepIn, QuotasIn, SlotIn, TenantIn,
-                                 check_head, check_optimizer, fits_head, floats, head_error, invalid, observation)
+                                 fits_head, floats, head_error, invalid, observation)
 from vlamux.errors import VlamuxError
 
 log = logging.getLogger(__name__)
@@ -217,33 +219,30 @@ def create_app(host: ServiceHost) -> FastAPI:
 
     @app.post("/v1/jobs", status_code=202)
     def submit(spec: dict[str, Any], t: str = Depends(tenant)):
-        if spec.get("head") is not None or spec.get("init_from") is None:  # (a LeRobot checkpoint brings its head)
-            check_head(spec.get("head"))
-        check_optimizer(spec.get("optimizer"))
         # The Master Service checks the backbone only after the job's record is made (which would
         # then stay "queued" for ever, counting against the tenant's job quota): check it first.
         held = host.runtime.backbone_names()
         if spec.get("backbone") is not None and spec["backbone"] not in held:
             raise invalid("backbone", f"this service holds {held}, the spec asks for {spec['backbone']!r}")
-        return {"job": host.submit_job(t, spec)}
+        return {"job": host.jobs.submit(t, spec)}
 
     @app.get("/v1/jobs")
     def jobs(state: str | None = None, t: str = Depends(tenant)):
         if state is not None and state not in ("queued", "running", "succeeded", "failed", "cancelled"):
             raise ApiError(422, "invalid_input", f"state: unknown state {state!r}", "state")
-        return {"jobs": host.list_jobs(t, state)}
+        return {"jobs": host.jobs.list(t, state)}
 
     @app.get("/v1/jobs/{job_id}")
     def job(job_id: str, t: str = Depends(tenant)):
-        return {"job": host.job_view(t, job_id)}
+        return {"job": host.jobs.view(t, job_id)}
 
     @app.post("/v1/jobs/{job_id}/cancel")
     def cancel(job_id: str, t: str = Depends(tenant)):
-        return {"job": host.cancel_job(t, job_id)}
+        return {"job": host.jobs.cancel(t, job_id)}
 
     @app.get("/v1/jobs/{job_id}/logs")
     def logs(job_id: str, since: int = Query(default=0, ge=0, le=10**9), t: str = Depends(tenant)):
-        lines, nxt = host.job_logs(t, job_id, since)
+        lines, nxt = host.jobs.logs(t, job_id, since)
         return {"lines": lines, "next": nxt}
 
     @app.get("/v1/jobs/{job_id}/events")
@@ -253,7 +252,7 @@ def create_app(host: ServiceHost) -> FastAPI:
         each with an id; a client that reconnects with `Last-Event-ID` (or `?since=`) gets every entry
         after that one, once. The stream ends with an `end` event when the job has ended, or an `idle`
         one after STREAM_IDLE_S without news (reconnect to go on); a comment line keeps it alive."""
-        await run_in_threadpool(host.job_entries, t, job_id, 10**9)  # 404 before a stream begins
+        await run_in_threadpool(host.jobs.entries, t, job_id, 10**9)  # 404 before a stream begins
         last = request.headers.get("last-event-id", "").strip()
         if last:
             if not last.isdigit() or len(last) > 12:
@@ -267,7 +266,7 @@ def create_app(host: ServiceHost) -> FastAPI:
                 pos, news, alive = since, time.monotonic(), time.monotonic()
                 yield "retry: 2000\n\n"
                 while True:
-                    entries, nxt, state = await run_in_threadpool(host.job_entries, t, job_id, pos)
+                    entries, nxt, state = await run_in_threadpool(host.jobs.entries, t, job_id, pos)
                     for i, e in enumerate(entries):
                         data = json.dumps({"data": json_safe(e["data"]), "line": e["line"]}, default=str)
                         yield f"id: {pos + i + 1}\nevent: {e['kind']}\ndata: {data}\n\n"
@@ -292,25 +291,25 @@ def create_app(host: ServiceHost) -> FastAPI:
 
     @app.get("/v1/jobs/{job_id}/metrics")
     def job_metrics(job_id: str, since: int = Query(default=0, ge=0, le=10**9), t: str = Depends(tenant)):
-        rows, nxt = host.job_metrics(t, job_id, since)
+        rows, nxt = host.jobs.metrics(t, job_id, since)
         return {"rows": rows, "next": nxt}
 
     @app.get("/v1/jobs/{job_id}/checkpoints")
     def job_checkpoints(job_id: str, t: str = Depends(tenant)):
-        return {"checkpoints": host.job_checkpoints(t, job_id)}
+        return {"checkpoints": host.jobs.checkpoints(t, job_id)}
 
     # ---- policies, inference and low-level training ----------------------------------------
     @app.get("/v1/policies")
     def policies(t: str = Depends(tenant)):
-        return {"policies": host.list_policies(t)}
+        return {"policies": host.policies.list(t)}
 
     @app.get("/v1/policies/{policy_id}")
     def policy(policy_id: str, t: str = Depends(tenant)):
-        return {"policy": host.policy_view(t, policy_id)}
+        return {"policy": host.policies.view(t, policy_id)}
 
     @app.get("/v1/policies/{policy_id}/versions")
     def versions(policy_id: str, t: str = Depends(tenant)):
-        return host.policy_versions(t, policy_id)
+        return host.policies.versions(t, policy_id)
 
     @app.get("/v1/policies/{policy_id}/download")
     def download_policy(policy_id: str, version: int | None = Query(default=None, ge=0, le=10**12),
@@ -321,15 +320,15 @@ def create_app(host: ServiceHost) -> FastAPI:
         backbone's weights. `version`: a checkpoint's policy version (default: the live one).
         format=lerobot: a policy imported from a LeRobot checkpoint, as a tar of the checkpoint
         directory lerobot's `from_pretrained` reads (the shared VLM's weights included)."""
-        path, served = host.policy_file(t, policy_id, version, format)
-        name = host.policy_view(t, policy_id)["name"]
+        path, served = host.policies.file(t, policy_id, version, format)
+        name = host.policies.view(t, policy_id)["name"]
         suffix = "lerobot.tar" if format == "lerobot" else "policy.safetensors"
         return FileResponse(path, media_type="application/octet-stream", filename=f"{name}-v{served}.{suffix}",
                             background=BackgroundTask(path.unlink, missing_ok=True))
 
     @app.post("/v1/policies/{policy_id}/predict", openapi_extra=MSGPACK, responses=MSGPACK_OUT)
     def predict(policy_id: str, t: str = Depends(tenant), raw: bytes = Depends(msgpack_body)):
-        head = host.policy_view(t, policy_id)["head"]  # an unknown id answers 404 before the body is decoded
+        head = host.policies.view(t, policy_id)["head"]  # an unknown id answers 404 before the body is decoded
         body = wire.loads(raw)
         if not isinstance(body, dict):
             raise ApiError(422, "invalid_input", "body: expected a map with 'observation'", "body")
@@ -341,7 +340,7 @@ def create_app(host: ServiceHost) -> FastAPI:
         if pinned is not None and (not isinstance(pinned, int) or isinstance(pinned, bool) or pinned < 0):
             raise invalid("policy_version", f"expected a non-negative integer, got {pinned!r}")
         fits_head(head, obs)
-        out = host.predict(t, policy_id, obs, deterministic).result(60)
+        out = host.policies.predict(t, policy_id, obs, deterministic).result(60)
         served = int(out["policy_version"])
         if pinned is not None and served != pinned:  # the replicas serve one version per policy: the live one
             raise ApiError(409, "conflict", f"policy_version: asked for version {pinned}, the replicas serve "
@@ -351,10 +350,8 @@ def create_app(host: ServiceHost) -> FastAPI:
 
     @app.post("/v1/training/slots", status_code=201)
     def create_slot(body: SlotIn, t: str = Depends(tenant)):
-        check_head(body.head)
-        check_optimizer(body.optimizer)
         try:
-            return {"policy": host.create_training_slot(t, body.model_dump(exclude_none=True))}
+            return {"policy": host.policies.view(t, host.slots.create(t, body.model_dump(exclude_none=True)).id)}
         except ValueError as e:  # raised while the training service builds the head
             if (err := head_error(e)) is None:
                 raise
@@ -362,7 +359,7 @@ def create_app(host: ServiceHost) -> FastAPI:
 
     @app.post("/v1/training/slots/{policy_id}/forward_backward", status_code=202, openapi_extra=MSGPACK)
     def forward_backward(policy_id: str, t: str = Depends(tenant), raw: bytes = Depends(msgpack_body)):
-        head = host.policy_view(t, policy_id)["head"]
+        head = host.policies.view(t, policy_id)["head"]
         body = wire.loads(raw)
         if not isinstance(body, dict):
             raise ApiError(422, "invalid_input", "body: expected a map with observation, actions", "body")
@@ -380,25 +377,25 @@ def create_app(host: ServiceHost) -> FastAPI:
             raise ApiError(422, "invalid_input", f"actions: batch {actions.shape[0]} != {obs.batch_size} observations",
                            "actions")
         fits_head(head, obs, actions)
-        return {"future": host.forward_backward(t, policy_id, obs, actions, mask)}
+        return {"future": host.slots.forward_backward(t, policy_id, obs, actions, mask)}
 
     @app.post("/v1/training/slots/{policy_id}/optim_step", status_code=202)
     def optim_step(policy_id: str, body: OptimStepIn | None = None, t: str = Depends(tenant)):
-        return {"future": host.optim_step(t, policy_id, body.lr if body else None)}
+        return {"future": host.slots.optim_step(t, policy_id, body.lr if body else None)}
 
     @app.post("/v1/training/slots/{policy_id}/save_state", status_code=202)
     def save_state(policy_id: str, t: str = Depends(tenant)):
-        return {"future": host.save_state(t, policy_id)}
+        return {"future": host.slots.save_state(t, policy_id)}
 
     @app.post("/v1/training/slots/{policy_id}/load_state", status_code=202)
     def load_state(policy_id: str, body: LoadStateIn, t: str = Depends(tenant)):
-        return {"future": host.load_state(t, policy_id, body.checkpoint_id)}
+        return {"future": host.slots.load_state(t, policy_id, body.checkpoint_id)}
 
     @app.delete("/v1/training/slots/{policy_id}", status_code=204)
     def delete_slot(policy_id: str, t: str = Depends(tenant)):
         """Free the training slot (its module and optimizer, in training and on every replica) and its
         place in max_training_slots; its saved checkpoints stay downloadable (`?version=`)."""
-        host.delete_training_slot(t, policy_id)
+        host.slots.delete(t, policy_id)
         return Response(status_code=204)
 
     @app.get("/v1/futures/{future_id}")

@@ -92,8 +92,7 @@ class _Collector:
         jobs = GaugeMetricFamily("vlamux_jobs", "Jobs by state", labels=["state"])
         counts: dict[str, int] = {}
         for rec in store.list_jobs():
-            if rec.kind != "slot":
-                counts[rec.state] = counts.get(rec.state, 0) + 1
+            counts[rec.state] = counts.get(rec.state, 0) + 1
         for state in ("queued", "running", "succeeded", "failed", "cancelled"):
             jobs.add_metric([state], counts.get(state, 0))
         yield jobs

@@ -11,7 +11,7 @@ from fastapi.responses import Response
 
 from vlamux import wire
 from vlamux.api.errors import ApiError
-from vlamux.api.validate import MSGPACK, MSGPACK_OUT, ResetIn, SessionIn, check_env, env_error, invalid, obs_out
+from vlamux.api.validate import MSGPACK, MSGPACK_OUT, ResetIn, SessionIn, env_error, invalid, obs_out
 from vlamux.envs.base import EnvError, EnvWorkerCrashed
 from vlamux.errors import InvalidInputError
 
@@ -21,7 +21,6 @@ def add_session_routes(app: FastAPI, host, tenant, msgpack_body, packed) -> None
     packed: a msgpack response."""
     @app.post("/v1/sessions", status_code=201)
     def open_session(body: SessionIn, t: str = Depends(tenant)):
-        check_env(body.env)
         try:
             info = host.sessions.open(t, body.env, body.n_envs, body.seed)
         except (InvalidInputError, EnvError) as e:

@@ -1,11 +1,10 @@
-"""What the API accepts: JSON request bodies as pydantic models, msgpack observations and actions
-converted to the model core's types, and checks of head, optimizer and env specs, every error
-naming its field."""
+"""What the API accepts: JSON request bodies as pydantic models, and msgpack observations and actions
+converted to the model core's types, every error naming its field. Head, optimizer, env and job specs
+check themselves (vlamux.specs): their errors name the field too."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import numpy as np
@@ -145,64 +144,6 @@ def fits_head(head: dict | None, obs=None, actions=None) -> None:
                                   f"{head.get('action_dim')}], got {list(actions.shape)}")
 
 
-# Bounds that keep one request from taking the machine's memory; far above any real head.
-_HEAD_INTS = {"action_dim": (1, 1024), "horizon": (1, 1024), "width": (1, 4096), "depth": (1, 64),
-              "n_heads": (1, 256), "state_dim": (0, 4096), "feature_layers": (0, 64)}
-
-
-_OPTION_MIN = {"n_bins": 2}  # the bins head's own lower bound (vlamux/model/heads/bins.py)
-
-
-def check_head(head, where: str = "head") -> None:
-    """A head spec, checked before anything is built: every refusal names its field.
-
-    `HeadSpec` checks most of this too, but its messages name no field ("head spec: horizon must
-    ..."), and the head's kind and options are only checked when the head is built, inside a
-    service (a 500 for a slot, a failed job for a job spec)."""
-    from vlamux.model.heads import HEADS, HeadSpec
-
-    if not isinstance(head, dict):
-        return  # the spec loader names it
-    head = {**{f.name: f.default for f in dataclasses.fields(HeadSpec) if f.default is not dataclasses.MISSING},
-            **head}
-    if "kind" in head and (not isinstance(head["kind"], str) or head["kind"] not in HEADS):
-        raise invalid(f"{where}.kind", f"unknown kind {head['kind']!r}; choose one of {sorted(HEADS)}")
-    for name, (lo, hi) in _HEAD_INTS.items():
-        v = head.get(name)
-        if name in head and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
-            raise invalid(f"{where}.{name}", f"must be an integer in [{lo}, {hi}], got {v!r}")
-    width, n_heads, depth = head.get("width", 1), head.get("n_heads", 1), head.get("depth", 0)
-    if width % n_heads:
-        raise invalid(f"{where}.width", f"{width} is not a multiple of n_heads {n_heads}")
-    if head.get("feature_layers", 0) not in (0, depth):
-        raise invalid(f"{where}.feature_layers", f"must be 0 or depth ({depth}), got {head['feature_layers']!r}")
-    if "instruction_cond" in head and head["instruction_cond"] not in ("none", "add", "adaln"):
-        raise invalid(f"{where}.instruction_cond", f"one of 'none', 'add', 'adaln', got {head['instruction_cond']!r}")
-    options = head.get("options")
-    if options is not None and head.get("kind") in HEADS:
-        if not isinstance(options, dict):
-            raise invalid(f"{where}.options", f"expected a map, got {type(options).__name__}")
-        allowed = HEADS[head["kind"]].DEFAULT_OPTIONS
-        for k, v in options.items():
-            f = f"{where}.options.{k}"
-            if k not in allowed:
-                raise invalid(f, f"unknown option for kind {head['kind']!r}; allowed: {sorted(allowed)}")
-            if isinstance(allowed[k], int):
-                lo = _OPTION_MIN.get(k, 1)
-                if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= 4096:
-                    raise invalid(f, f"must be an integer in [{lo}, 4096], got {v!r}")
-            elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or abs(v) > 1e6:
-                raise invalid(f, f"must be a finite number, got {v!r}")
-    if head.get("adapter") is not None:
-        from vlamux.errors import InvalidInputError
-        from vlamux.model.adapters import LoRASpec
-
-        try:
-            LoRASpec.from_dict(head["adapter"], where=f"{where}.adapter")
-        except InvalidInputError as e:  # its message starts with the field it names
-            raise invalid(str(e).split(":", 1)[0], str(e).split(":", 1)[1].strip()) from None
-
-
 def head_error(e: ValueError, where: str = "head") -> ApiError | None:
     """A head the training service would not build ("head spec: feature_layers=8 but the backbone
     has 4 layers"): the caller's input, so a 422 naming the field where the message says which."""
@@ -219,63 +160,6 @@ def head_error(e: ValueError, where: str = "head") -> ApiError | None:
     fields = {f.name for f in dataclasses.fields(HeadSpec)}
     field = f"{where}.{name}" if name.split(".")[0] in fields else where
     return invalid(field, why)
-
-
-def check_optimizer(optim, where: str = "optimizer") -> None:
-    """An optimizer spec's values, named by field (`OptimizerSpec` names none, and torch's own
-    refusal of a beta >= 1 comes from inside the training service, as a 500)."""
-    if not isinstance(optim, dict):
-        return  # the spec loader names it
-
-    def number(k):
-        v = optim[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise invalid(f"{where}.{k}", f"expected a finite number, got {v!r}")
-        return v
-
-    for k, ok, why in (("lr", lambda v: 0 < v <= 10, "in (0, 10]"),
-                       ("weight_decay", lambda v: 0 <= v <= 10, "in [0, 10]"),
-                       ("eps", lambda v: 0 < v <= 1, "in (0, 1]"), ("grad_clip", lambda v: v > 0, "> 0 (or null)")):
-        if k in optim and optim[k] is not None and not ok(number(k)):
-            raise invalid(f"{where}.{k}", f"must be {why}, got {optim[k]!r}")
-    if "betas" in optim:
-        betas = optim["betas"]
-        if (not isinstance(betas, list) or len(betas) != 2
-                or not all(not isinstance(b, bool) and isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
-            raise invalid(f"{where}.betas", f"expected two numbers in [0, 1), got {betas!r}")
-
-
-def check_env(env, where: str = "env") -> None:
-    """An env spec's shape, before a simulator is started for it; values are the service's to check."""
-    from vlamux.envs import EnvSpec
-
-    if not isinstance(env, dict):
-        raise invalid(where, f"expected a map (an env spec), got {type(env).__name__}")
-    known = {f.name for f in dataclasses.fields(EnvSpec)}
-    for k in env:
-        if k not in known:
-            raise invalid(f"{where}.{k}", f"unknown field; allowed: {', '.join(sorted(known))}")
-    for k in ("backend", "task"):
-        if k in env and (not isinstance(env[k], str) or not env[k] or len(env[k]) > 256):
-            raise invalid(f"{where}.{k}", f"expected a name of at most 256 characters, got {str(env[k])[:80]!r}")
-    from vlamux.envs import BACKENDS, check_task
-
-    backend = env.get("backend", "tabletop")
-    why = check_task(backend, env.get("task", "goal/touch-red-cube"))
-    if why is not None:  # known to be wrong without starting a simulator
-        raise invalid(f"{where}.backend" if backend not in BACKENDS else f"{where}.task", why)
-    from vlamux.jobs.spec import RANGES
-
-    for k, (lo, hi) in RANGES["EnvSpec"].items():
-        v = env.get(k)
-        if k in env and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
-            raise invalid(f"{where}.{k}", f"must be an integer in [{lo}, {hi}], got {v!r}")
-    cams = env.get("cameras")
-    if "cameras" in env and (not isinstance(cams, list) or not 1 <= len(cams) <= 16
-                             or not all(isinstance(c, str) and c for c in cams)):
-        raise invalid(f"{where}.cameras", f"expected a list of 1 to 16 camera names, got {cams!r}")
-    if "options" in env and not isinstance(env["options"], dict):
-        raise invalid(f"{where}.options", f"expected a map, got {type(env['options']).__name__}")
 
 
 def env_error(e: Exception, where: str = "env") -> ApiError:

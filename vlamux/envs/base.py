@@ -16,6 +16,7 @@ import gymnasium as gym
 import numpy as np
 
 from vlamux.errors import VlamuxError
+from vlamux.specs import Bound, SpecError, bounded, check
 
 
 class EnvError(VlamuxError):
@@ -66,10 +67,23 @@ def observation_space(cameras, image_size: int, state: gym.spaces.Box) -> gym.sp
 class EnvSpec:
     """What to simulate. `backend` picks the implementation; `task` is backend-specific."""
 
-    backend: str = "tabletop"
-    task: str = "goal/touch-red-cube"
-    image_size: int = 128
-    cameras: tuple[str, ...] = ("agentview", "wrist")
-    max_steps: int = 120
-    n_action_steps: int = 1  # actions of a chunk executed per vectorised step
-    options: dict = field(default_factory=dict)
+    backend: str = bounded("tabletop", length=(1, 256))  # one of vlamux.envs.BACKENDS
+    task: str = bounded("goal/touch-red-cube", length=(1, 256))
+    image_size: int = bounded(128, 1, 1024)
+    cameras: tuple[str, ...] = bounded(("agentview", "wrist"), length=(1, 16), each=Bound(length=(1, 256)))
+    max_steps: int = bounded(120, 1, 10**6)
+    n_action_steps: int = bounded(1, 1, 1024)  # actions of a chunk executed per vectorised step
+    options: dict = field(default_factory=dict)  # the backend's own (each backend checks them)
+
+    def __post_init__(self):
+        check(self)
+        if not all(isinstance(c, str) for c in self.cameras):
+            raise SpecError(f"cameras: expected camera names, got {list(self.cameras)!r}"[:200])
+        object.__setattr__(self, "cameras", tuple(self.cameras))  # frozen: a list from JSON becomes a tuple
+        if not isinstance(self.options, dict):
+            raise SpecError(f"options: expected a mapping, got {type(self.options).__name__}")
+        from vlamux.envs import check_task  # the registry imports this module
+
+        why = check_task(self.backend, self.task)  # known to be wrong without starting a simulator
+        if why is not None:
+            raise SpecError(f"{'task' if why.startswith('unknown tabletop') else 'backend'}: {why}")

@@ -28,26 +28,22 @@ from vlamux.model.normalize import NormStats
 from vlamux.model.policy_loss import PolicyLoss, policy_objective
 from vlamux.model import slot_file
 from vlamux.model.slot_file import MODULE_PREFIXES
+from vlamux.specs import Bound, bounded, check
 from vlamux.utils.seeding import seeded
 
 
 
 @dataclass
 class OptimizerSpec:
-    lr: float = 1e-4
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    grad_clip: float | None = 1.0  # max global grad norm; None disables clipping
+    lr: float = bounded(1e-4, 0.0, 10.0, lo_open=True)
+    weight_decay: float = bounded(0.01, 0.0, 10.0)
+    betas: tuple[float, float] = bounded((0.9, 0.999), length=(2, 2), each=Bound(0.0, 1.0, hi_open=True))
+    eps: float = bounded(1e-8, 0.0, 1.0, lo_open=True)
+    grad_clip: float | None = bounded(1.0, 0.0, lo_open=True)  # max global grad norm; None disables clipping
 
     def __post_init__(self):
+        check(self)
         self.betas = tuple(self.betas)
-        if not self.lr > 0:
-            raise ValueError(f"optimizer spec: lr must be > 0, got {self.lr}")
-        if self.weight_decay < 0:
-            raise ValueError(f"optimizer spec: weight_decay must be >= 0, got {self.weight_decay}")
-        if self.grad_clip is not None and not self.grad_clip > 0:
-            raise ValueError(f"optimizer spec: grad_clip must be > 0 or None, got {self.grad_clip}")
 
 
 @dataclass(frozen=True)

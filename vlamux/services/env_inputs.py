@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -11,9 +10,9 @@ import numpy as np
 import torch
 
 from vlamux.data.errors import DatasetError
-from vlamux.envs import BACKENDS
 from vlamux.envs.base import EnvSpec
 from vlamux.errors import InvalidInputError
+from vlamux.specs import build
 
 
 def tenant_name(tenant) -> str:
@@ -23,25 +22,11 @@ def tenant_name(tenant) -> str:
 
 
 def env_spec(spec) -> EnvSpec:
+    """An EnvSpec, or a mapping of its fields (checked by the spec itself, errors naming spec.<field>)."""
     if isinstance(spec, Mapping):
-        known = {f.name for f in dataclasses.fields(EnvSpec)}
-        unknown = sorted(set(spec) - known)
-        if unknown:
-            raise InvalidInputError(f"spec: unknown fields {unknown} (fields: {sorted(known)})")
-        spec = dict(spec)
-        if "cameras" in spec:
-            spec["cameras"] = tuple(spec["cameras"])
-        spec = EnvSpec(**spec)
+        spec = build(EnvSpec, dict(spec), "spec")
     if not isinstance(spec, EnvSpec):
         raise InvalidInputError(f"spec: expected an EnvSpec, got {type(spec).__name__}")
-    if spec.backend not in BACKENDS:
-        raise InvalidInputError(f"spec.backend: unknown backend {spec.backend!r}; available: {sorted(BACKENDS)}")
-    for name in ("image_size", "max_steps", "n_action_steps"):
-        v = getattr(spec, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise InvalidInputError(f"spec.{name}: expected a positive int, got {v!r}")
-    if not spec.cameras or not all(isinstance(c, str) and c for c in spec.cameras):
-        raise InvalidInputError(f"spec.cameras: expected camera names, got {spec.cameras!r}")
     return spec
 
 

@@ -52,6 +52,20 @@ class JobRow(Base):
     workdir: Mapped[str] = mapped_column(Text)
 
 
+class SlotRow(Base):
+    """A training slot a tenant drives step by step over the API (its own record, not a job's)."""
+    __tablename__ = "training_slots"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    spec: Mapped[dict[str, Any]]
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    created_at: Mapped[float] = mapped_column(index=True)
+    updated_at: Mapped[float]
+    error: Mapped[str | None] = mapped_column(Text)
+    workdir: Mapped[str] = mapped_column(Text)
+
+
 class JobEventRow(Base):
     __tablename__ = "job_events"
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)

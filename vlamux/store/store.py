@@ -6,164 +6,51 @@ One short session per call, so any number of server threads can share a
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import os
-import re
 import secrets
 import time
 from collections.abc import Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from sqlalchemy import create_engine, event, func, select
+from sqlalchemy import create_engine, delete, event, func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from vlamux.errors import InvalidInputError
-from vlamux.store.models import ApiKeyRow, Base, CheckpointRow, JobEventRow, JobRow, TenantRow, UsageRow
+from vlamux.store.models import ApiKeyRow, Base, CheckpointRow, JobEventRow, JobRow, SlotRow, TenantRow, UsageRow
+from vlamux.store.records import (
+    JOB_STATES,
+    SLOT_LIVE,
+    SLOT_STATES,
+    UNFINISHED,
+    SHA256,
+    ApiKey,
+    CheckpointRecord,
+    JobEvent,
+    JobRecord,
+    SlotRecord,
+    Tenant,
+    UsageTotals,
+    check_json,
+    check_name,
+    check_states,
+    check_str,
+    existing,
+    secret_digest,
+    to_checkpoint,
+    to_job,
+    to_key,
+    to_slot,
+    to_tenant,
+)
 
-log = logging.getLogger(__name__)
-
-JOB_STATES = ("queued", "running", "succeeded", "failed", "cancelled")
-UNFINISHED = ("queued", "running")
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 _LAST_USED_EVERY_S = 60.0  # authenticate writes last_used_at at most this often per key
 
-
-@dataclass(frozen=True)
-class Tenant:
-    id: str
-    name: str
-    created_at: float
-    disabled: bool
-    quotas: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class ApiKey:
-    id: str
-    tenant_id: str | None
-    name: str
-    created_at: float
-    revoked_at: float | None
-    last_used_at: float | None
-
-    @property
-    def is_admin(self) -> bool:
-        return self.tenant_id is None
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    id: str
-    tenant_id: str
-    name: str
-    kind: str
-    spec: dict[str, Any]
-    state: str
-    created_at: float
-    updated_at: float
-    error: str | None
-    result: dict[str, Any] | None
-    progress: dict[str, Any] | None
-    workdir: str
-
-
-@dataclass(frozen=True)
-class JobEvent:
-    id: int
-    job_id: str
-    at: float
-    state: str
-    detail: str
-
-
-@dataclass(frozen=True)
-class CheckpointRecord:
-    id: str
-    tenant_id: str
-    job_id: str | None
-    policy_id: str
-    policy_version: int
-    path: str
-    bytes: int
-    sha256: str
-    created_at: float
-
-
-UsageTotals = dict[str, dict[str, float]]  # tenant_id -> kind -> total amount
-
-
-def _tenant(r: TenantRow) -> Tenant:
-    return Tenant(r.id, r.name, r.created_at, bool(r.disabled), dict(r.quotas or {}))
-
-
-def _key(r: ApiKeyRow) -> ApiKey:
-    return ApiKey(r.id, r.tenant_id, r.name, r.created_at, r.revoked_at, r.last_used_at)
-
-
-def _job(r: JobRow) -> JobRecord:
-    return JobRecord(r.id, r.tenant_id, r.name, r.kind, r.spec, r.state, r.created_at, r.updated_at,
-                     r.error, r.result, r.progress, r.workdir)
-
-
-def _checkpoint(r: CheckpointRow) -> CheckpointRecord:
-    return CheckpointRecord(r.id, r.tenant_id, r.job_id, r.policy_id, r.policy_version, r.path,
-                            r.bytes, r.sha256, r.created_at)
-
-
-def secret_digest(secret: str) -> str:
-    """How a key's secret is stored and looked up (and cached): its sha256, never the secret."""
-    return hashlib.sha256(secret.encode()).hexdigest()
-
-
-
-def _check_name(name: Any) -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise InvalidInputError(f"name must be 1-64 characters of [A-Za-z0-9_.-], got {name!r}")
-    return name
-
-
-def _check_json(value: Any, arg: str) -> dict[str, Any]:
-    # Reject here, with the argument's name, rather than as an opaque flush error;
-    # NaN is refused because PostgreSQL's JSON cannot hold it.
-    if not isinstance(value, dict):
-        raise InvalidInputError(f"{arg} must be a dict, got {type(value).__name__}")
-    try:
-        return json.loads(json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise InvalidInputError(f"{arg} must be JSON-serialisable without NaN/inf: {e}") from None
-
-
-def _check_states(states: Iterable[str] | None) -> tuple[str, ...] | None:
-    if states is None:
-        return None
-    states = (states,) if isinstance(states, str) else tuple(states)
-    bad = [s for s in states if s not in JOB_STATES]
-    if bad:
-        raise InvalidInputError(f"states must be among {JOB_STATES}, got {bad!r}")
-    return states
-
-
-def _check_str(value: Any, arg: str, allow_empty: bool = False) -> str:
-    if not isinstance(value, str) or (not value and not allow_empty):
-        raise InvalidInputError(f"{arg} must be a {'' if allow_empty else 'non-empty '}string, got {value!r}")
-    return value
-
-
-def _existing(session, table, row_id: str, what: str):
-    """The row, or KeyError("no <what> '<id>'") for a change aimed at a row that is not there."""
-    row = session.get(table, row_id)
-    if row is None:
-        raise KeyError(f"no {what} {row_id!r}")
-    return row
+log = logging.getLogger(__name__)
 
 
 class Store:
@@ -189,6 +76,7 @@ class Store:
         # then writes can fail with "database is locked" at once, ignoring the busy timeout.
         self._write_engine = engine.execution_options(vmx_write=True)
         Base.metadata.create_all(engine)
+        self._move_slot_jobs()
 
     def close(self) -> None:
         self.engine.dispose()
@@ -206,8 +94,8 @@ class Store:
     # ---- tenants -------------------------------------------------------------------------
 
     def create_tenant(self, name: str, quotas: dict | None = None) -> Tenant:
-        _check_name(name)
-        quotas = _check_json({} if quotas is None else quotas, "quotas")
+        check_name(name)
+        quotas = check_json({} if quotas is None else quotas, "quotas")
         try:
             with self._write() as s:
                 if s.scalar(select(TenantRow.id).where(TenantRow.name == name)):
@@ -216,49 +104,49 @@ class Store:
                                 disabled=False, quotas=quotas)
                 s.add(row)
                 s.flush()
-                return _tenant(row)
+                return to_tenant(row)
         except IntegrityError:  # a concurrent create won the race (servers other than SQLite)
             raise InvalidInputError(f"tenant name {name!r} already exists") from None
 
     def get_tenant(self, tenant_id: str) -> Tenant | None:
         with self._read() as s:
             row = s.get(TenantRow, tenant_id)
-            return _tenant(row) if row else None
+            return to_tenant(row) if row else None
 
     def tenant_by_name(self, name: str) -> Tenant | None:
         with self._read() as s:
             row = s.scalar(select(TenantRow).where(TenantRow.name == name))
-            return _tenant(row) if row else None
+            return to_tenant(row) if row else None
 
     def list_tenants(self) -> list[Tenant]:
         with self._read() as s:
-            return [_tenant(r) for r in s.scalars(select(TenantRow).order_by(TenantRow.created_at))]
+            return [to_tenant(r) for r in s.scalars(select(TenantRow).order_by(TenantRow.created_at))]
 
     def set_disabled(self, tenant_id: str, disabled: bool) -> Tenant:
         with self._write() as s:
-            row = _existing(s, TenantRow, tenant_id, "tenant")
+            row = existing(s, TenantRow, tenant_id, "tenant")
             row.disabled = bool(disabled)
-            return _tenant(row)
+            return to_tenant(row)
 
     def set_quotas(self, tenant_id: str, quotas: dict) -> Tenant:
-        quotas = _check_json(quotas, "quotas")
+        quotas = check_json(quotas, "quotas")
         with self._write() as s:
-            row = _existing(s, TenantRow, tenant_id, "tenant")
+            row = existing(s, TenantRow, tenant_id, "tenant")
             row.quotas = quotas
-            return _tenant(row)
+            return to_tenant(row)
 
     # ---- API keys ------------------------------------------------------------------------
 
     def create_key(self, tenant_id: str | None, name: str = "") -> tuple[ApiKey, str]:
         """A new key for `tenant_id` (None: an admin key). The secret is returned once, never stored."""
-        _check_str(name, "name", allow_empty=True)
+        check_str(name, "name", allow_empty=True)
         with self._write() as s:
             if tenant_id is not None and s.get(TenantRow, tenant_id) is None:
                 raise KeyError(f"no tenant {tenant_id!r}")
             key_id = secrets.token_hex(6)
             secret = f"vmx_{key_id}_{secrets.token_urlsafe(32)}"
             row = self._insert_key(s, key_id, tenant_id, name, secret)
-            return _key(row), secret
+            return to_key(row), secret
 
     @staticmethod
     def _insert_key(s: Session, key_id: str, tenant_id: str | None, name: str, secret: str) -> ApiKeyRow:
@@ -281,7 +169,7 @@ class Store:
                 tenant = s.get(TenantRow, row.tenant_id)
                 if tenant is None or tenant.disabled:
                     return None
-            key = _key(row)
+            key = to_key(row)
         now = time.time()
         if key.last_used_at is None or now - key.last_used_at >= _LAST_USED_EVERY_S:
             with self._write() as s:
@@ -294,7 +182,7 @@ class Store:
         with self._read() as s:
             q = select(ApiKeyRow).where(ApiKeyRow.tenant_id.is_(None) if tenant_id is None
                                         else ApiKeyRow.tenant_id == tenant_id)
-            return [_key(r) for r in s.scalars(q.order_by(ApiKeyRow.created_at))]
+            return [to_key(r) for r in s.scalars(q.order_by(ApiKeyRow.created_at))]
 
     def revoke_key(self, key_id: str, tenant_id: str | None) -> bool:
         """Revoke a key of `tenant_id` (None: an admin key). False if no such key belongs to it."""
@@ -313,7 +201,7 @@ class Store:
         A secret that was revoked stays revoked: revocation must survive a restart.
         """
         if secret is not None:
-            _check_str(secret, "secret")
+            check_str(secret, "secret")
         with self._write() as s:
             if secret is not None:
                 row = s.scalar(select(ApiKeyRow).where(ApiKeyRow.secret_sha256 == secret_digest(secret)))
@@ -338,12 +226,12 @@ class Store:
     def create_job(self, tenant_id: str, name: str, kind: str, spec: dict, workdir: str,
                    job_id: str | None = None) -> JobRecord:
         """`job_id`: the caller's id (the service names a job's workdir and slot by it before creating it)."""
-        _check_str(name, "name")
+        check_str(name, "name")
         if job_id is not None:
-            _check_str(job_id, "job_id")
-        _check_str(kind, "kind")
-        _check_str(workdir, "workdir")
-        spec = _check_json(spec, "spec")
+            check_str(job_id, "job_id")
+        check_str(kind, "kind")
+        check_str(workdir, "workdir")
+        spec = check_json(spec, "spec")
         with self._write() as s:
             if s.get(TenantRow, tenant_id) is None:
                 raise KeyError(f"no tenant {tenant_id!r}")
@@ -354,7 +242,7 @@ class Store:
             s.add(row)
             s.flush()  # the event's FK needs the job row first (no ORM relationship orders them)
             s.add(JobEventRow(job_id=row.id, at=now, state="queued", detail="created"))
-            return _job(row)
+            return to_job(row)
 
     def set_job_state(self, job_id: str, state: str, error: str | None = None,
                       result: dict | None = None, detail: str = "") -> JobRecord:
@@ -363,22 +251,22 @@ class Store:
         if state not in JOB_STATES:
             raise InvalidInputError(f"state must be one of {JOB_STATES}, got {state!r}")
         if error is not None:
-            _check_str(error, "error", allow_empty=True)
+            check_str(error, "error", allow_empty=True)
         if result is not None:
-            result = _check_json(result, "result")
+            result = check_json(result, "result")
         with self._write() as s:
-            row = _existing(s, JobRow, job_id, "job")
+            row = existing(s, JobRow, job_id, "job")
             now = time.time()
             row.state, row.error, row.updated_at = state, error, now
             if result is not None:
                 row.result = result
             s.add(JobEventRow(job_id=job_id, at=now, state=state, detail=detail or error or ""))
-            return _job(row)
+            return to_job(row)
 
     def set_job_progress(self, job_id: str, progress: dict) -> None:
-        progress = _check_json(progress, "progress")
+        progress = check_json(progress, "progress")
         with self._write() as s:
-            row = _existing(s, JobRow, job_id, "job")
+            row = existing(s, JobRow, job_id, "job")
             row.progress, row.updated_at = progress, time.time()
 
     def get_job(self, job_id: str, tenant_id: str | None = None) -> JobRecord | None:
@@ -387,18 +275,18 @@ class Store:
             row = s.get(JobRow, job_id)
             if row is None or (tenant_id is not None and row.tenant_id != tenant_id):
                 return None
-            return _job(row)
+            return to_job(row)
 
     def list_jobs(self, tenant_id: str | None = None, states: Iterable[str] | None = None) -> list[JobRecord]:
         """Jobs, newest first; all tenants' when `tenant_id` is None."""
-        states = _check_states(states)
+        states = check_states(states)
         q = select(JobRow)
         if tenant_id is not None:
             q = q.where(JobRow.tenant_id == tenant_id)
         if states is not None:
             q = q.where(JobRow.state.in_(states))
         with self._read() as s:
-            return [_job(r) for r in s.scalars(q.order_by(JobRow.created_at.desc(), JobRow.id.desc()))]
+            return [to_job(r) for r in s.scalars(q.order_by(JobRow.created_at.desc(), JobRow.id.desc()))]
 
     def job_events(self, job_id: str) -> list[JobEvent]:
         with self._read() as s:
@@ -409,26 +297,97 @@ class Store:
         """Queued or running jobs of every tenant, oldest first: what a restarted server resumes."""
         with self._read() as s:
             q = select(JobRow).where(JobRow.state.in_(UNFINISHED)).order_by(JobRow.created_at, JobRow.id)
-            return [_job(r) for r in s.scalars(q)]
+            return [to_job(r) for r in s.scalars(q)]
 
     def count_jobs(self, tenant_id: str, states: Iterable[str] | None = None) -> int:
-        states = _check_states(states)
+        states = check_states(states)
         q = select(func.count()).select_from(JobRow).where(JobRow.tenant_id == tenant_id)
         if states is not None:
             q = q.where(JobRow.state.in_(states))
         with self._read() as s:
             return int(s.scalar(q))
 
+    # ---- training slots ------------------------------------------------------------------
+
+    def create_slot(self, tenant_id: str, slot_id: str, name: str, spec: dict, workdir: str) -> SlotRecord:
+        for arg, v in (("slot_id", slot_id), ("name", name), ("workdir", workdir)):
+            check_str(v, arg)
+        spec = check_json(spec, "spec")
+        with self._write() as s:
+            if s.get(TenantRow, tenant_id) is None:
+                raise KeyError(f"no tenant {tenant_id!r}")
+            now = time.time()
+            row = SlotRow(id=slot_id, tenant_id=tenant_id, name=name, spec=spec, state="creating", created_at=now,
+                          updated_at=now, error=None, workdir=workdir)
+            s.add(row)
+            s.flush()
+            return to_slot(row)
+
+    def set_slot_state(self, slot_id: str, state: str, error: str | None = None) -> SlotRecord:
+        if state not in SLOT_STATES:
+            raise InvalidInputError(f"state must be one of {SLOT_STATES}, got {state!r}")
+        if error is not None:
+            check_str(error, "error", allow_empty=True)
+        with self._write() as s:
+            row = existing(s, SlotRow, slot_id, "training slot")
+            row.state, row.error, row.updated_at = state, error, time.time()
+            return to_slot(row)
+
+    def get_slot(self, slot_id: str, tenant_id: str | None = None) -> SlotRecord | None:
+        """The slot, or None if unknown or (with `tenant_id`) owned by another tenant."""
+        with self._read() as s:
+            row = s.get(SlotRow, slot_id)
+            if row is None or (tenant_id is not None and row.tenant_id != tenant_id):
+                return None
+            return to_slot(row)
+
+    def list_slots(self, tenant_id: str | None = None, states: Iterable[str] | None = None) -> list[SlotRecord]:
+        """Slots, oldest first; all tenants' when `tenant_id` is None."""
+        q = select(SlotRow)
+        if tenant_id is not None:
+            q = q.where(SlotRow.tenant_id == tenant_id)
+        if states is not None:
+            bad = [x for x in states if x not in SLOT_STATES]
+            if bad:
+                raise InvalidInputError(f"states must be among {SLOT_STATES}, got {bad!r}")
+            q = q.where(SlotRow.state.in_(tuple(states)))
+        with self._read() as s:
+            return [to_slot(r) for r in s.scalars(q.order_by(SlotRow.created_at, SlotRow.id))]
+
+    def live_slots(self) -> list[SlotRecord]:
+        """Every tenant's slots that are being created or ready: what a restarted server restores."""
+        return self.list_slots(states=SLOT_LIVE)
+
+    def _move_slot_jobs(self) -> None:
+        """Stores written before slots had their table kept them as jobs of kind "slot": move them
+        over, same id, spec and workdir (their checkpoints name the slot by policy_id, not job_id)."""
+        states = {"queued": "creating", "running": "ready", "failed": "failed"}
+        with self._write() as s:
+            old = list(s.scalars(select(JobRow).where(JobRow.kind == "slot")))
+            if not old:
+                return
+            ids = [r.id for r in old]
+            for r in old:
+                s.add(SlotRow(id=r.id, tenant_id=r.tenant_id, name=r.name, spec=r.spec,
+                              state=states.get(r.state, "deleted"), created_at=r.created_at,
+                              updated_at=r.updated_at, error=r.error, workdir=r.workdir))
+            s.execute(update(UsageRow).where(UsageRow.job_id.in_(ids)).values(job_id=None))
+            s.execute(update(CheckpointRow).where(CheckpointRow.job_id.in_(ids)).values(job_id=None))
+            s.execute(delete(JobEventRow).where(JobEventRow.job_id.in_(ids)))
+            s.flush()
+            s.execute(delete(JobRow).where(JobRow.id.in_(ids)))
+        log.info("moved %d training slots from the jobs table to their own", len(ids))
+
     # ---- checkpoints ---------------------------------------------------------------------
 
     def add_checkpoint(self, tenant_id: str, policy_id: str, policy_version: int, path: str, bytes: int,
                        sha256: str, job_id: str | None = None) -> CheckpointRecord:
-        _check_str(policy_id, "policy_id")
-        _check_str(path, "path")
+        check_str(policy_id, "policy_id")
+        check_str(path, "path")
         for arg, v in (("policy_version", policy_version), ("bytes", bytes)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise InvalidInputError(f"{arg} must be a non-negative int, got {v!r}")
-        if not isinstance(sha256, str) or not _SHA256.fullmatch(sha256.lower()):
+        if not isinstance(sha256, str) or not SHA256.fullmatch(sha256.lower()):
             raise InvalidInputError(f"sha256 must be 64 hex digits, got {sha256!r}")
         with self._write() as s:
             if s.get(TenantRow, tenant_id) is None:
@@ -442,7 +401,7 @@ class Store:
                                 bytes=bytes, sha256=sha256.lower(), created_at=time.time())
             s.add(row)
             s.flush()
-            return _checkpoint(row)
+            return to_checkpoint(row)
 
     def list_checkpoints(self, tenant_id: str, policy_id: str | None = None,
                          job_id: str | None = None) -> list[CheckpointRecord]:
@@ -454,12 +413,12 @@ class Store:
             q = q.where(CheckpointRow.job_id == job_id)
         q = q.order_by(CheckpointRow.created_at.desc(), CheckpointRow.policy_version.desc())
         with self._read() as s:
-            return [_checkpoint(r) for r in s.scalars(q)]
+            return [to_checkpoint(r) for r in s.scalars(q)]
 
     def get_checkpoint(self, checkpoint_id: str, tenant_id: str) -> CheckpointRecord | None:
         with self._read() as s:
             row = s.get(CheckpointRow, checkpoint_id)
-            return _checkpoint(row) if row is not None and row.tenant_id == tenant_id else None
+            return to_checkpoint(row) if row is not None and row.tenant_id == tenant_id else None
 
     # ---- usage ---------------------------------------------------------------------------
 
@@ -471,8 +430,8 @@ class Store:
         now = time.time()
         objs = []
         for tenant_id, kind, amount, job_id in rows:
-            _check_str(tenant_id, "tenant_id")
-            _check_str(kind, "kind")
+            check_str(tenant_id, "tenant_id")
+            check_str(kind, "kind")
             if not isinstance(amount, (int, float)) or isinstance(amount, bool) or not math.isfinite(amount):
                 raise InvalidInputError(f"amount must be a finite number, got {amount!r}")
             objs.append(UsageRow(tenant_id=tenant_id, kind=kind, amount=float(amount), job_id=job_id, at=now))

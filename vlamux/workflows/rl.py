@@ -38,6 +38,7 @@ from vlamux.model.device import to_numpy
 from vlamux.model.batch import Observation
 from vlamux.model.policy_loss import PolicyLoss
 from vlamux.model.batch import obs_to_observation
+from vlamux.specs import SEED_MAX, bounded, check
 from vlamux.workflows.advantages import gae, group_advantages
 from vlamux.workflows.rollout import Segment, SegmentPool, SegmentShape, gather, replace_rows
 
@@ -51,39 +52,39 @@ log = logging.getLogger(__name__)
 class RLConfig:
     env: EnvSpec = field(default_factory=EnvSpec)
     tasks: tuple = ()  # multi-task RL: sub-batch i runs tasks[i % len(tasks)] (default: env.task only)
-    algorithm: str = "ppo"  # ppo | grpo
-    mode: str = "async"  # async (four lanes) | sync (phases)
-    env_steps: int = 2000  # budget: simulator steps over all envs
-    n_envs: int = 4  # per sub-batch
-    sub_batches: int = 2
-    env_workers: int = 1  # worker processes per sub-batch
-    segment_steps: int = 16  # vectorised steps per segment (GRPO: long enough for an episode)
-    group_size: int = 4  # GRPO: envs reset to the same state
+    algorithm: str = bounded("ppo", choices=("ppo", "grpo"))  # ppo | grpo
+    mode: str = bounded("async", choices=("async", "sync"))  # async (four lanes) | sync (phases)
+    env_steps: int = bounded(2000, 1, 10**9)  # budget: simulator steps over all envs
+    n_envs: int = bounded(4, 1, 1024)  # per sub-batch
+    sub_batches: int = bounded(2, 1, 64)
+    env_workers: int = bounded(1, 1, 64)  # worker processes per sub-batch
+    segment_steps: int = bounded(16, 1, 10**4)  # vectorised steps per segment (GRPO: long enough for an episode)
+    group_size: int = bounded(4, 1, 1024)  # GRPO: envs reset to the same state
     episode_mean: bool = True  # GRPO: every episode weighs the same, however long (as in the GRPO paper);
     # False: every step does, so long (failed) episodes outweigh short (successful) ones
-    gamma: float = 0.99
-    lam: float = 0.95
-    clip_eps: float = 0.2
-    max_is_weight: float = 2.0
-    value_coef: float = 0.5
-    entropy_coef: float = 0.0
-    epochs: int = 1  # passes over a segment; one optimizer step each
-    critic_warmup: int = 0  # PPO: the first updates fit the value head only (an SFT-initialised policy
-    # comes with an untrained critic, whose advantages would otherwise undo what SFT learned)
-    minibatch_rows: int = 64
-    max_staleness: int = 2  # versions a step's action may lag the learner (a trained segment adds `epochs`)
+    gamma: float = bounded(0.99, 0.0, 1.0)
+    lam: float = bounded(0.95, 0.0, 1.0)
+    clip_eps: float = bounded(0.2, 1e-6, 10.0)
+    max_is_weight: float = bounded(2.0, 1.0, 1e6)
+    value_coef: float = bounded(0.5, 0.0, 1e3)
+    entropy_coef: float = bounded(0.0, 0.0, 10.0)
+    epochs: int = bounded(1, 1, 100)  # passes over a segment; one optimizer step each
+    # PPO: the first updates fit the value head only (an SFT-initialised policy comes with an untrained
+    # critic, whose advantages would otherwise undo what SFT learned)
+    critic_warmup: int = bounded(0, 0, 10**6)
+    minibatch_rows: int = bounded(64, 1, 10**5)
+    # versions a step's action may lag the learner (a trained segment adds `epochs`)
+    max_staleness: int = bounded(2, 0, 10**3)
     deterministic: bool = False
-    seed: int = 0
-    timeout_s: float = 120.0  # bound on any single service call
-    lr: float | None = None  # the learning rate for RL (None: keep the slot's), e.g. below the SFT phase's
+    seed: int = bounded(0, 0, SEED_MAX)
+    timeout_s: float = bounded(120.0, 1e-3, 3600.0)  # bound on any single service call
+    # the learning rate for RL (None: keep the slot's), e.g. below the SFT phase's
+    lr: float | None = bounded(None, 0.0, 10.0, lo_open=True)
     fresh_optimizer: bool = True  # with lr set: RL starts with fresh Adam moments. A converged SFT phase
     # leaves tiny second moments, which would scale the first policy-gradient steps up many times
 
     def __post_init__(self):
-        if self.algorithm not in ("ppo", "grpo"):
-            raise VlamuxError(f"algorithm: expected 'ppo' or 'grpo', got {self.algorithm!r}")
-        if self.mode not in ("async", "sync"):
-            raise VlamuxError(f"mode: expected 'async' or 'sync', got {self.mode!r}")
+        check(self)
         if self.algorithm == "grpo" and self.n_envs % self.group_size:
             raise VlamuxError(f"group_size: {self.group_size} must divide n_envs ({self.n_envs})")
         if self.tasks and self.sub_batches % len(self.tasks):

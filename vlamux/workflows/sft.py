@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from vlamux.errors import InvalidInputError
+from vlamux.specs import SEED_MAX, bounded, check
 
 if TYPE_CHECKING:  # the contract, for annotations only
     from vlamux.services.contract import Runtime
@@ -27,16 +28,18 @@ class SFTConfig:
     state_key: str | None = "observation.state"
     action_key: str = "action"
     reader: dict = field(default_factory=dict)  # the reader's options (robomimic: instruction, filter_key, ...)
-    steps: int = 500
-    batch_size: int = 32
-    grad_accum: int = 1  # forward_backwards per optimizer step
-    lr: float | None = None  # None: the slot's optimizer lr throughout
-    schedule: str = "constant"  # constant | cosine (from lr down to 0 over `steps`)
-    warmup_steps: int = 0  # linear ramp from 0 to lr first (Adam's early steps on a fresh head are large)
-    seed: int = 0
-    timeout_s: float = 120.0
+    steps: int = bounded(500, 1, 10**8)
+    batch_size: int = bounded(32, 1, 65536)
+    grad_accum: int = bounded(1, 1, 1024)  # forward_backwards per optimizer step
+    lr: float | None = bounded(None, 0.0, 10.0, lo_open=True)  # None: the slot's optimizer lr throughout
+    schedule: str = bounded("constant", choices=("constant", "cosine"))  # cosine: from lr down to 0 over `steps`
+    # a linear ramp from 0 to lr first (Adam's early steps on a fresh head are large)
+    warmup_steps: int = bounded(0, 0, 10**8)
+    seed: int = bounded(0, 0, SEED_MAX)
+    timeout_s: float = bounded(120.0, 1e-3, 3600.0)
 
     def __post_init__(self):
+        check(self)
         bad = [k for k, v in self.camera_map.items() if not isinstance(k, str) or not isinstance(v, str)]
         if bad:
             raise InvalidInputError(f"camera_map: expected dataset camera key -> camera name (strings), got "
@@ -44,8 +47,6 @@ class SFTConfig:
         unknown = sorted(set(self.reader) - READER_OPTIONS)
         if unknown:
             raise InvalidInputError(f"reader.{unknown[0]}: unknown option; allowed: {', '.join(sorted(READER_OPTIONS))}")
-        if self.schedule not in ("constant", "cosine"):
-            raise InvalidInputError(f"schedule: expected 'constant' or 'cosine', got {self.schedule!r}")
         if self.schedule == "cosine" and self.lr is None:
             raise InvalidInputError("lr: a cosine schedule needs its peak lr")
 

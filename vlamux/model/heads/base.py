@@ -23,6 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from vlamux.errors import InvalidInputError
+from vlamux.model.queries import MAX_QUERY_TOKENS
+from vlamux.specs import Bound, SpecError, bounded, check
 from vlamux.model.device import to_device
 from vlamux.model.feature import TokenType, VLAFeature
 from vlamux.model.heads.layers import ChunkDecoder, Linear, broadcast_param
@@ -30,44 +32,44 @@ from vlamux.model.heads.layers import ChunkDecoder, Linear, broadcast_param
 
 @dataclass
 class HeadSpec:
-    kind: str
-    action_dim: int
-    horizon: int
-    state_dim: int = 0
-    width: int = 128
-    depth: int = 2
-    n_heads: int = 4
-    feature_layers: int = 0  # 0: read the final hidden states; depth: block i reads the i-th last layer
+    kind: str  # one of vlamux.model.heads.HEADS (or an imported policy's, made by its importer)
+    action_dim: int = bounded(lo=1, hi=1024)
+    horizon: int = bounded(lo=1, hi=1024)
+    state_dim: int = bounded(0, 0, 4096)
+    width: int = bounded(128, 1, 4096)
+    depth: int = bounded(2, 1, 64)
+    n_heads: int = bounded(4, 1, 256)
+    feature_layers: int = bounded(0, 0, 64)  # 0: read the final hidden states; depth: block i reads the i-th last layer
     # Add the pooled instruction features to every decoder token, so the first cross-attention to the
     # cameras already knows what was asked (without it, heads on a frozen backbone ignore the instruction).
-    instruction_cond: str = "add"  # none | add | adaln (adaln: +50% head parameters, no clear gain measured)
-    options: dict = field(default_factory=dict)  # head-specific, see each head's DEFAULT_OPTIONS
+    # adaln: +50% head parameters, no clear gain measured
+    instruction_cond: str = bounded("add", choices=("none", "add", "adaln"))
+    options: dict = field(default_factory=dict)  # head-specific: each head's DEFAULT_OPTIONS and OPTION_BOUNDS
     # A LoRA adapter on the backbone, part of the tenant's module: {kind: lora, rank, alpha, dropout,
     # target_modules, layers} (vlamux.model.adapters.LoRASpec); None: the head reads frozen features.
     adapter: dict | None = None
     # Learned query (action) tokens appended to a VLM backbone's prompt, part of the tenant's module
     # (vlamux.model.queries, StarVLA-OFT style); the head reads them among the features (type QUERY).
-    query_tokens: int = 0
+    query_tokens: int = bounded(0, 0, MAX_QUERY_TOKENS)
 
     def __post_init__(self):
+        check(self)
+        if self.width % self.n_heads:
+            raise SpecError(f"width: {self.width} is not a multiple of n_heads {self.n_heads}")
+        if self.feature_layers not in (0, self.depth):
+            raise SpecError(f"feature_layers: must be 0 or depth ({self.depth}), got {self.feature_layers!r}")
+        from vlamux.model.heads import HEADS, IMPORTED_HEADS  # the registry imports this module
+
+        if not isinstance(self.options, dict):
+            raise SpecError(f"options: expected a mapping, got {type(self.options).__name__}")
+        if self.kind in HEADS:
+            HEADS[self.kind].check_options(self.options)
+        elif self.kind not in IMPORTED_HEADS:  # an importer's head takes the options its checkpoint gives
+            raise SpecError(f"kind: unknown kind {self.kind!r}; choose one of {sorted(HEADS)}")
         if self.adapter is not None:
             from vlamux.model.adapters import LoRASpec
 
-            self.adapter = LoRASpec.from_dict(self.adapter).to_dict()  # checked, and in one canonical form
-        for name in ("action_dim", "horizon", "width", "depth", "n_heads"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"head spec: {name} must be a positive integer, got {getattr(self, name)!r}")
-        from vlamux.model.queries import MAX_QUERY_TOKENS
-
-        q = self.query_tokens
-        if isinstance(q, bool) or not isinstance(q, int) or not 0 <= q <= MAX_QUERY_TOKENS:
-            raise ValueError(f"head spec: query_tokens must be an integer in [0, {MAX_QUERY_TOKENS}], got {q!r}")
-        if self.state_dim < 0:
-            raise ValueError(f"head spec: state_dim must be >= 0, got {self.state_dim}")
-        if self.width % self.n_heads:
-            raise ValueError(f"head spec: width {self.width} is not a multiple of n_heads {self.n_heads}")
-        if self.instruction_cond not in ("none", "add", "adaln"):
-            raise ValueError(f"head spec: instruction_cond must be none, add or adaln, got {self.instruction_cond!r}")
+            self.adapter = LoRASpec.from_dict(self.adapter, where="adapter").to_dict()  # checked, one canonical form
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -112,16 +114,25 @@ def host_noise(draws: dict[str, Tensor], device) -> dict[str, Tensor]:
 class ActionHead(nn.Module):
     kind: ClassVar[str]
     DEFAULT_OPTIONS: ClassVar[dict] = {}
+    OPTION_BOUNDS: ClassVar[dict[str, Bound]] = {}  # what each option takes (the spec checks it)
     INIT_OPTIONS: ClassVar[tuple] = ()  # options read only at initialisation: heads differing only there fuse
     ACTION_NORM: ClassVar[str] = "mean_std"  # how the slot normalises actions for this head
     HAS_VALUE: ClassVar[bool] = False
 
+    @classmethod
+    def check_options(cls, options: dict) -> None:
+        """A spec's options for this head: known, and each within its OPTION_BOUNDS."""
+        for k, v in options.items():
+            if k not in cls.DEFAULT_OPTIONS:
+                raise SpecError(f"options.{k}: unknown option for kind {cls.kind!r}; allowed: "
+                                f"{sorted(cls.DEFAULT_OPTIONS)}")
+            bound = cls.OPTION_BOUNDS.get(k)
+            why = bound.why(v, integer=isinstance(cls.DEFAULT_OPTIONS[k], int)) if bound is not None else None
+            if why is not None:
+                raise SpecError(f"options.{k}: {why}")
+
     def __init__(self, spec: HeadSpec, feature_dim: int, cond_dim: int = 0):
         super().__init__()
-        unknown = set(spec.options) - set(self.DEFAULT_OPTIONS)
-        if unknown:
-            raise ValueError(f"head spec: unknown options {sorted(unknown)} for kind {self.kind!r}; "
-                             f"allowed: {sorted(self.DEFAULT_OPTIONS)}")
         self.spec = spec
         self.options = {**self.DEFAULT_OPTIONS, **spec.options}
         w = spec.width

@@ -8,19 +8,19 @@ from torch import Tensor
 
 from vlamux.model.heads.base import ActionHead, masked_mean
 from vlamux.model.heads.layers import Linear
+from vlamux.specs import Bound
 
 
 class BinsHead(ActionHead):
     kind = "bins"
     DEFAULT_OPTIONS = {"n_bins": 256}
+    OPTION_BOUNDS = {"n_bins": Bound(2, 4096)}
     ACTION_NORM = "min_max"  # bins cover [-1, 1]
     HAS_VALUE = True
 
     def __init__(self, spec, feature_dim):
         super().__init__(spec, feature_dim)
         self.n_bins = int(self.options["n_bins"])
-        if self.n_bins < 2:
-            raise ValueError(f"head spec: options.n_bins must be >= 2, got {self.n_bins}")
         self.logits_out = Linear(spec.width, spec.action_dim * self.n_bins)
 
     def to_bins(self, actions: Tensor) -> Tensor:

@@ -12,11 +12,13 @@ from torch import nn
 
 from vlamux.model.heads.base import ActionHead, masked_mean
 from vlamux.model.heads.layers import Linear, timestep_embedding
+from vlamux.specs import Bound
 
 
 class FlowHead(ActionHead):
     kind = "flow"
     DEFAULT_OPTIONS = {"steps": 10}
+    OPTION_BOUNDS = {"steps": Bound(1, 4096)}  # Euler steps of the sampler
 
     def __init__(self, spec, feature_dim):
         super().__init__(spec, feature_dim, cond_dim=spec.width)

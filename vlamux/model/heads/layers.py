@@ -123,8 +123,6 @@ class ChunkDecoder(nn.Module):
     def __init__(self, feature_dim: int, width: int, depth: int, n_heads: int, feature_layers: int = 0,
                  cond_dim: int = 0):
         super().__init__()
-        if feature_layers not in (0, depth):
-            raise ValueError(f"feature_layers must be 0 or depth ({depth}), got {feature_layers}")
         self.feature_layers = feature_layers
         self.memory_proj = Linear(feature_dim, width)
         self.blocks = nn.ModuleList(DecoderBlock(width, n_heads, cond_dim) for _ in range(depth))
