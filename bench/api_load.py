@@ -153,7 +153,7 @@ def _in(stamps: list, windows: list[tuple[float, float]]) -> list[float]:
 def noisy_neighbour(args, device, dtype) -> int:
     import multiprocessing as mp
 
-    from vlamux.api.server import spawn, stop
+    from vlamux.sdk.process import spawn, stop
     from vlamux.model.device import dtype_name
     from vlamux.sdk import Client
 
@@ -331,7 +331,7 @@ def main(argv=None) -> int:
     upload_mb = args.upload_mb or (20.0 if args.quick else 50.0)
     n_watchers = args.watchers if args.watchers is not None else (8 if args.quick else 32)
 
-    from vlamux.api.server import spawn, stop
+    from vlamux.sdk.process import spawn, stop
     from vlamux.data.demos import generate
     from vlamux.model.device import dtype_name
     from vlamux.sdk import Client

@@ -226,7 +226,7 @@ def plain_model(backbone, heads: list, b: int, mode: str, profile) -> dict[str, 
     limit = dense_split / dense_one."""
     import copy
 
-    from vlamux.synthetic import make_batch
+    from vlamux.model.synthetic import make_batch
 
     heads = [copy.deepcopy(h) for h in heads]  # the limit's own modules: nothing of the contenders' moves
     n = len(heads)

@@ -35,7 +35,7 @@ from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, 
 from vlamux.model.backbones import spec_from_arg  # noqa: E402
 from vlamux.model.device import add_device_arguments, parse_device_arguments  # noqa: E402
 from vlamux.model.fused import stack_bucket  # noqa: E402
-from vlamux.synthetic import TaskProfile, make_batch  # noqa: E402
+from vlamux.model.synthetic import TaskProfile, make_batch  # noqa: E402
 
 FULL_GRID = [(n, b) for n in (1, 2, 4, 8, 16) for b in (1, 4)]
 QUICK_GRID = [(1, 1), (8, 1), (8, 4)]

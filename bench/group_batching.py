@@ -38,7 +38,7 @@ from common import (ResultFile, add_cell_arguments, cell_key, cell_plan, environ
 from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone
 from vlamux.model.backbones import spec_from_arg
 from vlamux.model.device import add_device_arguments, parse_device_arguments
-from vlamux.synthetic import TaskProfile, make_batch
+from vlamux.model.synthetic import TaskProfile, make_batch
 
 HEAD_KINDS = ["l1_chunk", "flow", "gaussian", "bins"]
 # ~20-token instructions (byte tokens incl. BOS/EOS) that differ a little in length across tenants.

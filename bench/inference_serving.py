@@ -37,7 +37,7 @@ from vlamux.model.device import Lane, add_device_arguments, parse_device_argumen
 from vlamux.model.slot import Slot  # noqa: E402
 from vlamux.services.inference import InferenceModelService  # noqa: E402
 from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
-from vlamux.synthetic import TaskProfile, make_batch  # noqa: E402
+from vlamux.model.synthetic import TaskProfile, make_batch  # noqa: E402
 
 HEAD_KINDS = ["l1_chunk", "flow", "gaussian", "bins"]
 TEMPLATES = ["pick up the {color} block", "push {color} cube away", "touch the {color} ball", "grab {color} box now"]

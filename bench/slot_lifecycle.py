@@ -67,7 +67,7 @@ def main() -> None:
     if not marks or marks[-1] > args.jobs:
         raise SystemExit(f"--marks must be job counts up to --jobs ({args.jobs})")
 
-    from vlamux.api.server import spawn, stop
+    from vlamux.sdk.process import spawn, stop
     from vlamux.data.demos import generate
     from vlamux.sdk import Client
 

@@ -15,7 +15,8 @@ grep -qx '/.gl/' .git/info/exclude 2>/dev/null || echo '/.gl/' >> .git/info/excl
 # store frames as PNG, so it is not needed there).
 WHEELS=(mujoco==3.3.0 glfw==2.11.0 pyopengl==3.1.10 gymnasium==1.4.0 farama-notifications==0.0.6
         fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
-        typing-inspection==0.4.5 uvicorn==0.54.0 sqlalchemy==2.1.9 greenlet==3.5.6 num2words==0.5.14)
+        typing-inspection==0.4.5 uvicorn==0.54.0 sqlalchemy==2.1.9 greenlet==3.5.6 num2words==0.5.14
+        cachetools==5.5.2)
 mkdir -p .whl
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \

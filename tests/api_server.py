@@ -31,7 +31,7 @@ def served(data_dir: Path, log: Path | None = None, extra_args=()):
     on the way out. Yields ``(url, admin_key, proc)``."""
     import os
 
-    from vlamux.api.server import spawn, stop
+    from vlamux.sdk.process import spawn, stop
 
     port = free_port()
     log = log or Path(data_dir).parent / f"{Path(data_dir).name}.log"

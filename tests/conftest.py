@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from vlamux.model import BackboneSpec, HeadSpec, ModelRunner, OptimizerSpec, build_backbone
-from vlamux.synthetic import TaskProfile, make_batch
+from vlamux.model.synthetic import TaskProfile, make_batch
 
 # Four tenants that differ in head, action/state dims, horizon, camera count, image size and phrasing.
 TENANTS = {

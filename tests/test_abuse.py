@@ -25,7 +25,7 @@ def _port() -> int:
 
 
 def _serve(data_dir: Path, port: int, log: Path):
-    from vlamux.api.server import spawn
+    from vlamux.sdk.process import spawn
 
     return spawn(data_dir, port, log=log.open("a"), env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -54,7 +54,7 @@ def test_damaged_checkpoints_are_refused_and_an_unrestorable_slot_fails_visibly(
     actions; a truncated slot checkpoint at start-up reset the slot to version 0 and kept serving.
     Now: the first load is refused naming the checksum, the policy keeps its live weights; after a
     restart the truncated slot is failed, says why, and serves nothing."""
-    from vlamux.api.server import stop
+    from vlamux.sdk.process import stop
     from vlamux.sdk import Client, ConflictError, InvalidInputError
 
     data_dir, port, log = tmp_path / "service", _port(), tmp_path / "server.log"
@@ -105,7 +105,7 @@ ENV = {"task": "goal/touch-red-cube", "image_size": 32, "max_steps": 20}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from vlamux.api.server import stop
+    from vlamux.sdk.process import stop
     from vlamux.sdk import Client
 
     root = tmp_path_factory.mktemp("abuse")
@@ -250,7 +250,7 @@ def test_gym_backend_takes_only_allowlisted_ids_and_imports_nothing_else(tmp_pat
     any simulator starts, and the module a tenant names is never imported."""
     import httpx
 
-    from vlamux.api.server import spawn, stop
+    from vlamux.sdk.process import spawn, stop
     from vlamux.sdk import Client
 
     marker_dir = tmp_path / "mods"
@@ -447,7 +447,7 @@ def test_the_store_and_the_admin_key_are_private_and_the_key_is_never_printed(tm
 
     from click.testing import CliRunner
 
-    from vlamux.api.server import stop
+    from vlamux.sdk.process import stop
     from vlamux.cli import main
 
     data_dir, port, log = tmp_path / "service", _port(), tmp_path / "server.log"

@@ -9,7 +9,7 @@ import torch
 
 from vlamux.model import BackboneSpec, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone
 from vlamux.model.calibrate import GroupCurve, choose_cap, measure, measured
-from vlamux.synthetic import TaskProfile, make_batch
+from vlamux.model.synthetic import TaskProfile, make_batch
 
 
 @pytest.mark.parametrize("seconds, budget, cap", [

@@ -10,7 +10,7 @@ from vlamux.envs import EnvSpec
 from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone
 from vlamux.services.queues import InferenceQueueConfig
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
-from vlamux.synthetic import TaskProfile
+from vlamux.model.synthetic import TaskProfile
 
 pytestmark = pytest.mark.cuda
 ENV = EnvSpec(task="goal/touch-red-cube", image_size=16, max_steps=12, n_action_steps=2)

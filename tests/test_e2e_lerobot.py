@@ -47,7 +47,7 @@ def _obs(n=2, seed=1):
 
 def test_lerobot_checkpoint_in_sft_out_through_a_served_subprocess(tmp_path):
     import vlamux.policy
-    from vlamux.api.server import spawn, stop
+    from vlamux.sdk.process import spawn, stop
     from vlamux.sdk import Client
     from vlamux.sdk.errors import VlamuxAPIError
 

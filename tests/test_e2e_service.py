@@ -31,7 +31,7 @@ def _port() -> int:
 
 
 def _serve(data_dir: Path, port: int, log: Path, store_url: str | None = None) -> subprocess.Popen:
-    from vlamux.api.server import spawn
+    from vlamux.sdk.process import spawn
 
     extra = ("--store-url", store_url) if store_url else ()
     return spawn(data_dir, port, log=log.open("a"), env={**os.environ, "OMP_NUM_THREADS": "1"}, extra_args=extra)
@@ -138,6 +138,6 @@ def test_jobs_survive_a_killed_server(tmp_path, request, store):
         # Tenants stay apart across the restart too.
         assert [j.id for j in alpha.jobs()] == [sft.id] and [j.id for j in beta.jobs()] == [rl.id]
     finally:
-        from vlamux.api.server import stop
+        from vlamux.sdk.process import stop
 
         stop(proc)

@@ -32,7 +32,7 @@ def _obs(n=3, seed=0):
 
 def test_tenant_data_in_policies_out_through_a_served_subprocess(tmp_path):
     import vlamux.policy
-    from vlamux.api.server import spawn, stop
+    from vlamux.sdk.process import spawn, stop
     from vlamux.data.demos import generate
     from vlamux.data.lerobot import LeRobotDataset
     from vlamux.sdk import Client

@@ -12,7 +12,7 @@ from conftest import same_bytes, snapshot
 from vlamux.errors import NonFiniteError
 from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, PolicyLoss, Sample
 from vlamux.model.fused import architecture
-from vlamux.synthetic import TaskProfile, make_batch
+from vlamux.model.synthetic import TaskProfile, make_batch
 
 TOL = 1e-5
 KINDS = ["gaussian", "bins", "flow", "l1_chunk"]

@@ -8,7 +8,7 @@ from vlamux.model import (HEADS, ForwardBackward, HeadSpec, ModelRunner, Optimiz
                           canonicalize)
 from vlamux.model.heads.bins import BinsHead
 from vlamux.model.heads.gaussian import GaussianHead
-from vlamux.synthetic import make_batch
+from vlamux.model.synthetic import make_batch
 
 TOL = 1e-5
 SPECS = {spec.kind: (spec, profile) for spec, profile in TENANTS.values()}  # one tenant per head kind

@@ -13,7 +13,7 @@ from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, ModelRunner, O
 from vlamux.model.backbones.hf import ModelDirError
 from vlamux.model.backbones.hf.random_init import write_random_model
 from vlamux.model.feature import TokenType
-from vlamux.synthetic import TaskProfile, make_batch
+from vlamux.model.synthetic import TaskProfile, make_batch
 
 pytest.importorskip("transformers")
 FAMILIES = ["qwen2_5_vl", "qwen3_vl", "smolvlm", "paligemma"]

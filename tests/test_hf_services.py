@@ -16,7 +16,7 @@ from vlamux.model.backbones.hf.random_init import write_random_model
 from vlamux.policy import snapshot_of
 from vlamux.services.queues import InferenceQueueConfig
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
-from vlamux.synthetic import TaskProfile, make_batch
+from vlamux.model.synthetic import TaskProfile, make_batch
 
 pytest.importorskip("transformers")
 HEAD = HeadSpec("gaussian", action_dim=4, horizon=4, state_dim=8, width=64, depth=1)

@@ -19,7 +19,7 @@ import torch
 from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone
 from vlamux.model import adapters, queries
 from vlamux.model.backbones.hf.random_init import write_random_model
-from vlamux.synthetic import TaskProfile, make_batch
+from vlamux.model.synthetic import TaskProfile, make_batch
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(300)

@@ -9,7 +9,7 @@ from conftest import BF16_LOSS_REL, assert_losses_agree, same_bytes, snapshot, t
 from vlamux.errors import InvalidInputError, NonFiniteError
 from vlamux.model import (BackboneSpec, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, Slot,
                           build_backbone)
-from vlamux.synthetic import TaskProfile, make_batch
+from vlamux.model.synthetic import TaskProfile, make_batch
 
 TOL = 1e-5
 PROFILES = {

@@ -10,7 +10,7 @@ from vlamux.errors import InvalidInputError
 from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, Slot, build_backbone
 from vlamux.model.backbones.hf.random_init import write_random_model
 from vlamux.model.feature import TokenType
-from vlamux.synthetic import TaskProfile, make_batch
+from vlamux.model.synthetic import TaskProfile, make_batch
 
 pytest.importorskip("transformers")
 TOL = 1e-5

@@ -31,7 +31,7 @@ class Served:
         self.proc = None
 
     def start(self):
-        from vlamux.api.server import spawn
+        from vlamux.sdk.process import spawn
 
         self.proc = spawn(self.data_dir, self.port, log=self.log.open("a"),
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -39,7 +39,7 @@ class Served:
         return self
 
     def stop(self):
-        from vlamux.api.server import stop
+        from vlamux.sdk.process import stop
 
         if self.proc is not None:
             stop(self.proc)

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from conftest import TENANTS, same_bytes, snapshot
 from vlamux.errors import CorruptCheckpointError, IncompatibleError, InvalidInputError
 from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, NormStats, OptimizerSpec, Sample, Slot, canonicalize
-from vlamux.synthetic import make_batch
+from vlamux.model.synthetic import make_batch
 from vlamux.utils.io import atomic_save_safetensors
 
 def batches(tenant, n=10, rows=2):

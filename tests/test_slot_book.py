@@ -5,7 +5,7 @@ from safetensors.torch import save_file
 
 from vlamux.model import HeadSpec, OptimizerSpec
 from vlamux.model.slot_file import FORMAT as SLOT_FORMAT
-from vlamux.model.slot import PolicySnapshot
+from vlamux.model.snapshot import PolicySnapshot
 from vlamux.policy import FORMAT as POLICY_FORMAT
 from vlamux.services.slot_book import SlotBook, SlotRecipe
 

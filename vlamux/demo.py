@@ -1,6 +1,6 @@
 """The model-core demo: several tenants, different heads, one shared frozen backbone, grouped.
 
-Each tenant trains its own head on procedural reaching data (vlamux.synthetic)
+Each tenant trains its own head on procedural reaching data (vlamux.model.synthetic)
 through grouped forward_backward + optimizer steps; the demo prints
 per-tenant losses as they fall, each tenant's action error before and after
 training, and the time of grouped vs serial execution of the same steps.
@@ -21,7 +21,7 @@ import torch
 from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample, build_backbone
 from vlamux.model.backbones import spec_from_arg
 from vlamux.model.device import add_device_arguments, dtype_name, parse_device_arguments
-from vlamux.synthetic import TaskProfile, make_batch
+from vlamux.model.synthetic import TaskProfile, make_batch
 
 TENANTS = {
     "acme-l1": (HeadSpec("l1_chunk", 4, 8, 4),

@@ -31,7 +31,7 @@ from vlamux.model.backbones.base import Backbone
 from vlamux.model.batch import obs_to_observation
 from vlamux.model.group import Sample
 from vlamux.model.runner import ModelRunner
-from vlamux.model.slot import PolicySnapshot
+from vlamux.model.snapshot import PolicySnapshot
 from vlamux.model.slot_file import MODULE_PREFIXES
 from vlamux.utils.io import atomic_save_safetensors, read_verified, tensors_sha256
 

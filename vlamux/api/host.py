@@ -130,7 +130,6 @@ class ServiceHost:
                 log.exception("janitor round failed")
 
     def _build_runtime(self):
-
         env = {"allowed_dataset_roots": [self.data_dir / "datasets", self.data_dir / "tenants"]}
         if self.config.ray_address:
             import ray

@@ -10,42 +10,38 @@ not reach the store either; the cache holds digests of secrets, never the secret
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from typing import Any, Callable
+
+import cachetools
 
 _MISSING = object()
 
 
 class TTLCache:
-    """At most `max_entries` values, each for `ttl_s` seconds (oldest dropped first)."""
+    """At most `max_entries` values, each for `ttl_s` seconds (least recently written dropped first):
+    cachetools' TTL cache, behind a lock (the server's threads share it)."""
 
     def __init__(self, ttl_s: float, max_entries: int = 10_000):
         self.ttl_s, self.max_entries = ttl_s, max_entries
-        self._items: collections.OrderedDict[Any, tuple[Any, float]] = collections.OrderedDict()
+        self._items = cachetools.TTLCache(maxsize=max_entries, ttl=ttl_s, timer=time.monotonic)
         self._lock = threading.Lock()
 
     def get(self, key, default=_MISSING):
         """The value, or `default` (a sentinel unless given) when absent or expired."""
         with self._lock:
-            item = self._items.get(key)
-            if item is None or item[1] < time.monotonic():
-                return default
-            return item[0]
+            return self._items.get(key, default)
 
     def put(self, key, value) -> None:
         with self._lock:
-            self._items[key] = (value, time.monotonic() + self.ttl_s)
-            self._items.move_to_end(key)
-            while len(self._items) > self.max_entries:
-                self._items.popitem(last=False)
+            self._items[key] = value
 
     def drop(self, matches: Callable[[Any, Any], bool]) -> None:
         """Forget every entry whose (key, value) `matches`."""
         with self._lock:
-            for k in [k for k, (v, _) in self._items.items() if matches(k, v)]:
-                del self._items[k]
+            for k in [k for k, v in self._items.items() if matches(k, v)]:
+                self._items.pop(k, None)  # expired meanwhile: gone already
 
     @staticmethod
     def missing(value) -> bool:

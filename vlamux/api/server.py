@@ -50,34 +50,3 @@ def write_private(path: Path, text: str) -> None:
         os.write(fd, text.encode())
     finally:
         os.close(fd)
-
-
-def spawn(data_dir: str | Path, port: int, log=None, extra_args=(), timeout_s: float = 180.0, env=None):
-    """`vlamux serve` as a child process, returned once it answers: for tests and benchmarks that
-    need the server in a process of its own (to kill it, or to load it from outside)."""
-    import subprocess
-    import sys
-
-    from vlamux.sdk.http import wait_ready
-
-    proc = subprocess.Popen([sys.executable, "-m", "vlamux.cli", "serve", "--port", str(port), "--data-dir",
-                             str(data_dir), *extra_args], stdout=log or subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT, env=env)
-    try:
-        wait_ready(f"http://127.0.0.1:{port}", timeout_s=timeout_s, proc=proc)
-    except BaseException:
-        stop(proc)
-        raise
-    return proc
-
-
-def stop(proc, timeout_s: float = 60.0) -> None:
-    """SIGTERM (a clean shutdown), then SIGKILL if it has not exited within `timeout_s`."""
-    import subprocess
-
-    proc.terminate()
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)

@@ -32,13 +32,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vlamux.api.faults import Conflict, NotFound, QuotaExceeded, TooLarge
-from vlamux.api.uploads import (ArchiveLimits, check_hdf5, checkpoint_root, dataset_root, scratch, unpack, validate,
-                                validate_hdf5)
+from vlamux.api.uploads import (ArchiveLimits, ChunkWriter, Spool, check_hdf5, checkpoint_root, dataset_root, du,
+                                scratch, sniff, unpack, validate, validate_hdf5)
 from vlamux.errors import InvalidInputError
 
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 UPLOAD_ID = re.compile(r"[0-9a-f]{32}")
-HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
 POLICY_SUFFIX = ".policy.safetensors"
 CHECKPOINT_SUFFIX = ".lerobot"  # a LeRobot policy checkpoint a tenant brought, unpacked (a directory)
 MAX_OPEN_UPLOADS = 4  # per tenant
@@ -46,28 +45,6 @@ MAX_WHOLE_UPLOADS = 2  # per tenant: whole uploads (POST /v1/datasets, /v1/polic
 WHOLE_UPLOAD_RETRY_S = 5.0  # Retry-After of a whole upload refused for MAX_WHOLE_UPLOADS
 QUOTA_RETRY_S = 60.0  # Retry-After of an upload refused for max_dataset_mb
 UPLOAD_IDLE_S = 24 * 3600.0  # an upload nobody appended to for this long is dropped
-
-
-def du(path: Path) -> int:
-    """Bytes of the files at or under path."""
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
-
-
-def sniff(path: Path) -> str:
-    """What a spooled upload is, from its first bytes: tar | gzip | hdf5 | safetensors | unknown."""
-    with path.open("rb") as f:
-        head = f.read(512)
-    if head.startswith(b"\x1f\x8b"):
-        return "gzip"
-    if head.startswith(HDF5_MAGIC):
-        return "hdf5"
-    if len(head) >= 262 and head[257:262] == b"ustar":
-        return "tar"
-    if len(head) >= 9 and head[8:9] == b"{":  # safetensors: u64 header length, then its JSON header
-        return "safetensors"
-    return "unknown"
 
 
 class TenantFiles:
@@ -254,7 +231,8 @@ class TenantFiles:
         try:
             where = self._tenant(tenant_id) / "incoming"
             where.mkdir(parents=True, exist_ok=True)
-            return Spool(self, tenant_id, token, where / token, declared)
+            return Spool(where / token, declared, grow=lambda total: self._grow(tenant_id, token, total),
+                         release=lambda: self._release(tenant_id, token))
         except BaseException:
             self._release(tenant_id, token)
             raise
@@ -496,58 +474,3 @@ class TenantFiles:
     def abort_upload(self, tenant_id: str, upload_id: str) -> None:
         shutil.rmtree(self._session_dir(tenant_id, upload_id), ignore_errors=True)
         self._changed(tenant_id)
-
-
-class ChunkWriter:
-    """Appends one chunk of a resumable upload; bytes past the declared size are refused (413) and the
-    file cut back to where the chunk began. A chunk cut short by a dropped connection keeps what
-    arrived: the client resumes from the new offset."""
-
-    def __init__(self, path: Path, offset: int, total: int, lock: threading.Lock):
-        self.path, self.start, self.total, self._lock = path, offset, total, lock
-        self.f = path.open("ab")
-        self.at = offset
-
-    def write(self, chunk: bytes) -> None:
-        if self.at + len(chunk) > self.total:
-            self.f.truncate(self.start)
-            raise TooLarge(f"body: the chunk runs past the upload's declared {self.total} bytes")
-        self.f.write(chunk)
-        self.at += len(chunk)
-
-    def close(self) -> int:
-        try:
-            self.f.close()
-        finally:
-            self._lock.release()
-        return self.at
-
-
-class Spool:
-    """A whole upload streaming to disk (TenantFiles.spool): each chunk is reserved against the quota
-    before it is written (nothing to do when the declared size was reserved at once), so a refusal
-    comes before the bytes over the quota reach the disk. `discard()` removes the file and gives the
-    reservation back; call it on every path (after `accept`, whose file moves away)."""
-
-    def __init__(self, files: TenantFiles, tenant_id: str, token: str, path: Path, declared: int | None):
-        self.files, self.tenant_id, self.token, self.path, self.declared = files, tenant_id, token, path, declared
-        self.at = 0
-        self.f = path.open("xb")
-
-    def write(self, chunk: bytes) -> None:
-        total = self.at + len(chunk)
-        if self.declared is not None and total > self.declared:  # the server's HTTP parser stops it first
-            raise TooLarge(f"body: more than its Content-Length of {self.declared} bytes")
-        self.files._grow(self.tenant_id, self.token, total)
-        self.f.write(chunk)
-        self.at = total
-
-    def close(self) -> None:
-        self.f.close()
-
-    def discard(self) -> None:
-        try:
-            self.f.close()
-            self.path.unlink(missing_ok=True)
-        finally:
-            self.files._release(self.tenant_id, self.token)

@@ -1,5 +1,6 @@
-"""A tenant's dataset, uploaded as a tar archive (optionally gzip'ed): streamed to disk, unpacked with
-every safety check, read back by the LeRobot reader, and only then moved into place.
+"""A tenant's upload: streamed to disk (`Spool` for a whole one, `ChunkWriter` for a resumable one's
+chunks), told apart by its first bytes (`sniff`); a dataset as a tar archive (optionally gzip'ed) is
+unpacked with every safety check, read back by the LeRobot reader, and only then moved into place.
 
 Archive safety: regular files and directories only (no links, devices or FIFOs), no absolute paths
 and no `..`, at most `max_files` members and `max_bytes` unpacked, and a compression ratio of at most
@@ -12,11 +13,14 @@ import gzip
 import os
 import shutil
 import tarfile
+import threading
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from vlamux.api.faults import TooLarge
 from vlamux.errors import InvalidInputError
 
 
@@ -191,3 +195,85 @@ def validate_hdf5(path: Path, name: str) -> dict:
     except (DatasetError, OSError, ValueError, KeyError, TypeError, IndexError) as e:
         msg = str(e).replace(str(path), name).replace(path.name, name)  # the reader names the file by its name
         raise InvalidInputError(f"body: the HDF5 dataset does not read: {msg}") from None
+
+
+HDF5_MAGIC = b"\x89HDF\r\n\x1a\n"
+
+
+def du(path: Path) -> int:
+    """Bytes of the files at or under path."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def sniff(path: Path) -> str:
+    """What a spooled upload is, from its first bytes: tar | gzip | hdf5 | safetensors | unknown."""
+    with path.open("rb") as f:
+        head = f.read(512)
+    if head.startswith(b"\x1f\x8b"):
+        return "gzip"
+    if head.startswith(HDF5_MAGIC):
+        return "hdf5"
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        return "tar"
+    if len(head) >= 9 and head[8:9] == b"{":  # safetensors: u64 header length, then its JSON header
+        return "safetensors"
+    return "unknown"
+
+
+class ChunkWriter:
+    """Appends one chunk of a resumable upload; bytes past the declared size are refused (413) and the
+    file cut back to where the chunk began. A chunk cut short by a dropped connection keeps what
+    arrived: the client resumes from the new offset."""
+
+    def __init__(self, path: Path, offset: int, total: int, lock: threading.Lock):
+        self.path, self.start, self.total, self._lock = path, offset, total, lock
+        self.f = path.open("ab")
+        self.at = offset
+
+    def write(self, chunk: bytes) -> None:
+        if self.at + len(chunk) > self.total:
+            self.f.truncate(self.start)
+            raise TooLarge(f"body: the chunk runs past the upload's declared {self.total} bytes")
+        self.f.write(chunk)
+        self.at += len(chunk)
+
+    def close(self) -> int:
+        try:
+            self.f.close()
+        finally:
+            self._lock.release()
+        return self.at
+
+
+class Spool:
+    """A whole upload streaming to disk (TenantFiles.spool): each chunk is reserved against the quota
+    before it is written (nothing to do when the declared size was reserved at once), so a refusal
+    comes before the bytes over the quota reach the disk. `discard()` removes the file and gives the
+    reservation back; call it on every path (after `accept`, whose file moves away)."""
+
+    def __init__(self, path: Path, declared: int | None, grow: Callable[[int], None], release: Callable[[], None]):
+        """grow(total): reserve the upload's new size against the quota (raises when it does not fit);
+        release(): give the reservation back."""
+        self.path, self.declared, self._grow, self._release = path, declared, grow, release
+        self.at = 0
+        self.f = path.open("xb")
+
+    def write(self, chunk: bytes) -> None:
+        total = self.at + len(chunk)
+        if self.declared is not None and total > self.declared:  # the server's HTTP parser stops it first
+            raise TooLarge(f"body: more than its Content-Length of {self.declared} bytes")
+        self._grow(total)
+        self.f.write(chunk)
+        self.at = total
+
+    def close(self) -> None:
+        self.f.close()
+
+    def discard(self) -> None:
+        try:
+            self.f.close()
+            self.path.unlink(missing_ok=True)
+        finally:
+            self._release()

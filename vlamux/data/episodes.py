@@ -5,49 +5,42 @@ decoded frames they share."""
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import cachetools
 import numpy as np
 
 from vlamux.data.errors import MissingKeyError
 from vlamux.data.lerobot_format import CAMERA_DTYPES, _have
 
 class ByteLRU:
-    """A thread-safe LRU cache bounded by the total `nbytes` of its numpy values."""
+    """A thread-safe LRU cache bounded by the total `nbytes` of its numpy values (cachetools' LRU
+    cache, sized by bytes, behind a lock); `hits` and `misses` count lookups."""
 
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
-        self._items: OrderedDict = OrderedDict()
-        self._bytes = 0
+        self._items = cachetools.LRUCache(maxsize=self.max_bytes, getsizeof=_nbytes)
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     def get(self, key):
         with self._lock:
-            if key in self._items:
-                self._items.move_to_end(key)
+            value = self._items.get(key)
+            if value is None:
+                self.misses += 1
+            else:
                 self.hits += 1
-                return self._items[key]
-            self.misses += 1
-            return None
+            return value
 
     def put(self, key, value: np.ndarray) -> None:
-        size = int(getattr(value, "nbytes", 0))
         with self._lock:
-            if key in self._items:
-                self._bytes -= int(getattr(self._items.pop(key), "nbytes", 0))
-            if size > self.max_bytes:
-                return  # larger than the whole budget: hand it out, keep nothing
-            self._items[key] = value
-            self._bytes += size
-            while self._bytes > self.max_bytes and self._items:
-                _, old = self._items.popitem(last=False)
-                self._bytes -= int(getattr(old, "nbytes", 0))
+            self._items.pop(key, None)
+            if _nbytes(value) <= self.max_bytes:  # larger than the whole budget: hand it out, keep nothing
+                self._items[key] = value
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        return int(self._items.currsize)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -55,7 +48,10 @@ class ByteLRU:
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
-            self._bytes = 0
+
+
+def _nbytes(value) -> int:
+    return int(getattr(value, "nbytes", 0))
 
 
 class EpisodeDataset:

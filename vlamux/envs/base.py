@@ -63,6 +63,30 @@ def observation_space(cameras, image_size: int, state: gym.spaces.Box) -> gym.sp
     })
 
 
+# backend -> "module:factory"; imported on first use so a missing optional extra only matters to its users.
+BACKENDS = {
+    "tabletop": "vlamux.envs.tabletop.env:make_tabletop_env",
+    "metaworld": "vlamux.envs.metaworld:make_metaworld_env",
+    "libero": "vlamux.envs.libero:make_libero_env",
+    "maniskill": "vlamux.envs.maniskill:make_maniskill_env",
+    "gym": "vlamux.envs.gym_adapter:make_gym_env",
+}
+
+
+def check_task(backend: str, task: str) -> str | None:
+    """Why (backend, task) cannot be simulated, found without starting a simulator; None if nothing
+    is known to be wrong (backends other than the built-in one name their tasks only when built)."""
+    if backend not in BACKENDS:
+        return f"unknown backend {backend!r}; available: {sorted(BACKENDS)}"
+    if backend == "tabletop":
+        from vlamux.envs.tabletop.tasks import TASKS
+
+        if task not in TASKS:
+            return f"unknown tabletop task {task!r}; tasks: {sorted(TASKS)}"
+    return None
+
+
+
 @dataclass(frozen=True)
 class EnvSpec:
     """What to simulate. `backend` picks the implementation; `task` is backend-specific."""
@@ -82,8 +106,6 @@ class EnvSpec:
         object.__setattr__(self, "cameras", tuple(self.cameras))  # frozen: a list from JSON becomes a tuple
         if not isinstance(self.options, dict):
             raise SpecError(f"options: expected a mapping, got {type(self.options).__name__}")
-        from vlamux.envs import check_task  # the registry imports this module
-
         why = check_task(self.backend, self.task)  # known to be wrong without starting a simulator
         if why is not None:
             raise SpecError(f"{'task' if why.startswith('unknown tabletop') else 'backend'}: {why}")

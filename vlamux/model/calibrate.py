@@ -49,7 +49,7 @@ def probe_group(backbone, rows: int, seed: int = 0) -> list:
     or, for a VLM that takes any size, 128 px: larger images cost more tokens a row, so a cap learned
     on them is the safe one for smaller ones; instructions of a few lengths, a state): how a group of
     many tenants' requests runs (each request its own attention, or its own padding), synthetic."""
-    from vlamux.synthetic import TaskProfile, make_batch
+    from vlamux.model.synthetic import TaskProfile, make_batch
 
     size = backbone.schema.image_size or PROBE_IMAGE_SIZE
     templates = ["pick up the {color} cube", "push {color} away", "touch the {color} ball now", "grab {color}"]

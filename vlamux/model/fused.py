@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vlamux.model.feature import VLAFeature
-from vlamux.model.slot import FBInputs, PendingGrads, Slot
+from vlamux.model.slot import Slot
+from vlamux.model.slot_inputs import FBInputs, PendingGrads
 
 
 def architecture(slot: Slot, mode: str) -> tuple:

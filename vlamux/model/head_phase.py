@@ -13,12 +13,14 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+from torch import Tensor
 
 from vlamux.model.device import Lane
 from vlamux.model.feature import VLAFeature
 from vlamux.model.fused import FusedHeads, architecture
 from vlamux.model.group import ForwardBackward, Request, Sample, given_draws
-from vlamux.model.slot import PendingGrads, RowInputs, Slot
+from vlamux.model.slot import Slot
+from vlamux.model.slot_inputs import PendingGrads, RowInputs
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,12 @@ class BackboneCall:
 
 @dataclass
 class Round:
+    """One execute call's round: its requests with their checked row inputs (by request index), whether
+    heads of one architecture fuse, and what it did (head work, backbone calls) for the one host transfer."""
+
+    requests: list[Request] = field(default_factory=list)
+    rows: dict[int, RowInputs] = field(default_factory=dict)
+    fuse: bool = True
     works: list[Work] = field(default_factory=list)
     backbone: list[BackboneCall] = field(default_factory=list)
 
@@ -80,8 +88,15 @@ class _Gathered:
             w.slot.generator.set_state(rng)
 
 
-# (work, loss, metrics, extras, generator state): a joint request's objective, awaiting the one backward
-_Objective = tuple
+@dataclass
+class _Objective:
+    """A joint request's loss, awaiting the one backward, with its slot's generator state before its draws."""
+
+    work: Work
+    loss: Tensor
+    metrics: dict
+    extra: dict
+    rng: Tensor
 
 
 class HeadPhase:
@@ -90,21 +105,20 @@ class HeadPhase:
     def __init__(self, slots: dict[str, Slot], fused: FusedHeads | None, lane: Lane):
         self.slots, self.fused, self.lane = slots, fused, lane
 
-    def run(self, group: list[int], requests: list[Request], rows: dict[int, RowInputs],
-            features: dict[int, VLAFeature], rnd: Round, fuse: bool) -> None:
+    def run(self, group: list[int], features: dict[int, VLAFeature], rnd: Round) -> None:
         """The heads of a no-grad backbone call: fused buckets, then the rest one by one."""
         with self.lane.autocast():
-            for bucket in self.buckets(group, requests, fuse):
+            for bucket in self.buckets(group, rnd):
                 if len(bucket) > 1:
-                    self._fused(bucket, requests, rows, features, rnd)
+                    self._fused(bucket, features, rnd)
                 else:
-                    self._single(bucket[0], requests, rows[bucket[0]], features[bucket[0]], rnd)
+                    self._single(bucket[0], features[bucket[0]], rnd)
 
-    def buckets(self, group: list[int], requests: list[Request], fuse: bool, joint: bool = False
-                ) -> list[list[int]]:
+    def buckets(self, group: list[int], rnd: Round, joint: bool = False) -> list[list[int]]:
         """The group's requests by head architecture and call mode, in order; unfused: one each.
         joint: the requests train through the backbone (their features carry its graph)."""
-        if not fuse or self.fused is None:
+        requests = rnd.requests
+        if not rnd.fuse or self.fused is None:
             return [[i] for i in group]
         buckets: dict[tuple, list[int]] = {}
         for i in group:
@@ -127,8 +141,9 @@ class HeadPhase:
         return out
 
     # ---- heads on no-grad features ------------------------------------------------------------------
-    def _single(self, i: int, requests: list[Request], rows: RowInputs, feature: VLAFeature, rnd: Round) -> None:
-        req, slot = requests[i], self.slots[requests[i].tenant]
+    def _single(self, i: int, feature: VLAFeature, rnd: Round) -> None:
+        req, rows = rnd.requests[i], rnd.rows[i]
+        slot = self.slots[req.tenant]
         work = Work(i, slot)
         start = self.lane.mark()
         try:
@@ -142,18 +157,19 @@ class HeadPhase:
         work.span = Span(start, self.lane.mark())
         rnd.works.append(work)
 
-    def _gather(self, bucket: list[int], requests: list[Request], rows_of: dict[int, RowInputs],
-                features: dict[int, VLAFeature], rnd: Round, start, training: bool) -> _Gathered:
+    def _gather(self, bucket: list[int], features: dict[int, VLAFeature], rnd: Round, start, training: bool
+                ) -> _Gathered:
         """Each request's inputs and draws for a fused call; a request whose inputs are bad fails alone."""
         got = _Gathered()
         for i in bucket:
-            req, slot = requests[i], self.slots[requests[i].tenant]
+            req = rnd.requests[i]
+            slot = self.slots[req.tenant]
             try:
                 if training:
-                    x = slot.fb_inputs(features[i], rows_of[i])
+                    x = slot.fb_inputs(features[i], rnd.rows[i])
                     rows = x.feature.batch_size
                 else:
-                    x = slot.sample_inputs(features[i], rows_of[i])
+                    x = slot.sample_inputs(features[i], rnd.rows[i])
                     rows = x[0].batch_size
             except Exception as e:  # noqa: BLE001
                 rnd.works.append(Work(i, slot, error=e, span=Span.failed(start)))
@@ -166,13 +182,13 @@ class HeadPhase:
             got.rows.append(rows)
         return got
 
-    def _fused(self, bucket: list[int], requests: list[Request], rows_of: dict[int, RowInputs],
-               features: dict[int, VLAFeature], rnd: Round) -> None:
+    def _fused(self, bucket: list[int], features: dict[int, VLAFeature], rnd: Round) -> None:
         """One call for the bucket's heads; if the fused call itself fails, every request of the bucket
         runs on its own instead."""
         start = self.lane.mark()
-        training = isinstance(requests[bucket[0]], ForwardBackward)
-        got = self._gather(bucket, requests, rows_of, features, rnd, start, training)
+        first = rnd.requests[bucket[0]]
+        training = isinstance(first, ForwardBackward)
+        got = self._gather(bucket, features, rnd, start, training)
         if not got.works:
             return
         slots = [w.slot for w in got.works]
@@ -182,14 +198,14 @@ class HeadPhase:
                     w.pending = p
             else:
                 outs = self.fused.sample(slots, [x[0] for x in got.inputs], [x[1] for x in got.inputs], got.noises,
-                                         requests[bucket[0]].deterministic)
+                                         first.deterministic)
                 for w, out in zip(got.works, outs):
                     w.output = w.slot.finish_sample(out)
         except Exception as e:  # noqa: BLE001 - fall back to the per-tenant path
             log.warning("fused heads of %d requests failed (%s); running them one by one", len(got.works), e)
             got.rewind()
             for w in got.works:
-                self._single(w.index, requests, rows_of[w.index], features[w.index], rnd)
+                self._single(w.index, features[w.index], rnd)
             return
         end, total = self.lane.mark(), sum(got.rows)
         for w, rows in zip(got.works, got.rows):
@@ -197,8 +213,7 @@ class HeadPhase:
             rnd.works.append(w)
 
     # ---- heads that train through the backbone --------------------------------------------------------
-    def joint(self, group: list[int], requests: list[Request], rows: dict[int, RowInputs],
-              features: dict[int, VLAFeature], rnd: Round, fuse: bool) -> None:
+    def joint(self, group: list[int], features: dict[int, VLAFeature], rnd: Round) -> None:
         """Forward_backwards that train through the backbone (adapters, query tokens, an imported
         expert's state token): every loss first, heads of one architecture as one stacked call, then one
         backward through the heads and the shared backbone call to every head and adapter (each tenant's
@@ -207,49 +222,49 @@ class HeadPhase:
         start = self.lane.mark()
         objectives: list[_Objective] = []
         stacks: list[tuple] = []  # (StackedHeads, [(index into objectives, index in the stack)])
-        for bucket in self.buckets(group, requests, fuse, joint=True):
-            alone = self._joint_fused(bucket, requests, rows, features, rnd, start, objectives, stacks) \
-                if len(bucket) > 1 else bucket
+        for bucket in self.buckets(group, rnd, joint=True):
+            alone = self._joint_fused(bucket, features, rnd, start, objectives, stacks) if len(bucket) > 1 else bucket
             for i in alone:
-                self._joint_single(i, requests, rows[i], features[i], rnd, start, objectives)
+                self._joint_single(i, features[i], rnd, start, objectives)
         if not objectives:
             return
-        own = [p for w, *_ in objectives for p in w.slot.params]
+        own = [p for o in objectives for p in o.work.slot.params]
         stacked = [p for heads, _ in stacks for p in heads.params]
         try:
-            grads = torch.autograd.grad(torch.stack([o[1] for o in objectives]).sum(), own + stacked,
+            grads = torch.autograd.grad(torch.stack([o.loss for o in objectives]).sum(), own + stacked,
                                         allow_unused=True)
         except Exception as e:  # noqa: BLE001
-            for w, *_rest, rng in reversed(objectives):  # a tenant twice: back to its first state
-                w.slot.generator.set_state(rng)
-            for w, *_rest in objectives:
-                w.error, w.span = e, Span.failed(start)
-                rnd.works.append(w)
+            for o in reversed(objectives):  # a tenant twice: back to its first state
+                o.work.slot.generator.set_state(o.rng)
+            for o in objectives:
+                o.work.error, o.work.span = e, Span.failed(start)
+                rnd.works.append(o.work)
             return
         mine, at = [], 0
-        for w, *_ in objectives:
-            mine.append(list(grads[at:at + len(w.slot.params)]))
-            at += len(w.slot.params)
+        for o in objectives:
+            mine.append(list(grads[at:at + len(o.work.slot.params)]))
+            at += len(o.work.slot.params)
         for heads, members in stacks:  # each tenant's slice of its stack's gradients, added to its own
             # dense slices for the tenants' optimizers, as FusedHeads.forward_backward makes them
             part = [None if g is None else g.contiguous() for g in grads[at:at + len(heads.params)]]
             at += len(heads.params)
             for k, row in members:
-                for j, pos in enumerate(heads.positions(objectives[k][0].slot)):
+                for j, pos in enumerate(heads.positions(objectives[k].work.slot)):
                     if pos is not None and part[pos] is not None:
                         mine[k][j] = part[pos][row] if mine[k][j] is None else mine[k][j] + part[pos][row]
         end = self.lane.mark()
-        total = sum(features[w.index].batch_size for w, *_ in objectives)
-        for (w, loss, metrics, extra, rng), g in zip(objectives, mine):
-            w.pending = Slot.pending(loss, metrics, extra, g, rng)
+        total = sum(features[o.work.index].batch_size for o in objectives)
+        for o, g in zip(objectives, mine):
+            w = o.work
+            w.pending = Slot.pending(o.loss, o.metrics, o.extra, g, o.rng)
             w.span = Span(start, end, features[w.index].batch_size / total)  # the shared backward, by rows
             rnd.works.append(w)
 
-    def _joint_single(self, i: int, requests: list[Request], rows: RowInputs, feature: VLAFeature, rnd: Round,
-                      start, objectives: list[_Objective]) -> None:
-        req, slot = requests[i], self.slots[requests[i].tenant]
+    def _joint_single(self, i: int, feature: VLAFeature, rnd: Round, start, objectives: list[_Objective]) -> None:
+        req = rnd.requests[i]
+        slot = self.slots[req.tenant]
         try:
-            x = slot.fb_inputs(feature, rows)
+            x = slot.fb_inputs(feature, rnd.rows[i])
             rng = slot.generator.get_state()
             given = given_draws(req)
             noise = given if given is not None else slot.draw("loss", x.feature.batch_size) if x.loss is None else {}
@@ -257,15 +272,14 @@ class HeadPhase:
         except Exception as e:  # noqa: BLE001 - that tenant's failure only
             rnd.works.append(Work(i, slot, error=e, span=Span.failed(start)))
             return
-        objectives.append((Work(i, slot), loss, metrics, extra, rng))
+        objectives.append(_Objective(Work(i, slot), loss, metrics, extra, rng))
 
-    def _joint_fused(self, bucket: list[int], requests: list[Request], rows: dict[int, RowInputs],
-                     features: dict[int, VLAFeature], rnd: Round, start, objectives: list[_Objective],
-                     stacks: list) -> list[int]:
+    def _joint_fused(self, bucket: list[int], features: dict[int, VLAFeature], rnd: Round, start,
+                     objectives: list[_Objective], stacks: list) -> list[int]:
         """The bucket's losses from one stacked call (`FusedHeads.objectives`), differentiable to the
         stacked parameters and through each tenant's features; returns the requests to run one by one
         instead (all of them, if the stacked call fails)."""
-        got = self._gather(bucket, requests, rows, features, rnd, start, training=True)
+        got = self._gather(bucket, features, rnd, start, training=True)
         if not got.works:
             return []
         try:
@@ -276,7 +290,7 @@ class HeadPhase:
             return [w.index for w in got.works]
         stacks.append((heads, [(len(objectives) + k, k) for k in range(len(got.works))]))
         for w, rng, (loss, metrics, extra) in zip(got.works, got.rngs, per):
-            objectives.append((w, loss, metrics, extra, rng))
+            objectives.append(_Objective(w, loss, metrics, extra, rng))
         return []
 
 

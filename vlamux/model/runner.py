@@ -34,7 +34,9 @@ from vlamux.model.group import ForwardBackward, Request, Result, Sample, plan_gr
 from vlamux.model.head_phase import BackboneCall, HeadPhase, Round
 from vlamux.model.heads import HeadSpec
 from vlamux.model.memory import MemoryPools
-from vlamux.model.slot import OptimizerSpec, PolicySnapshot, RowInputs, Slot
+from vlamux.model.slot import OptimizerSpec, Slot
+from vlamux.model.slot_inputs import RowInputs
+from vlamux.model.snapshot import PolicySnapshot
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +232,7 @@ class ModelRunner:
         with self.lane.active():
             batches = self._ingest(requests, results)
             for indices in self._rounds(requests, sorted(batches)):
-                rnd = Round()
+                rnd = Round(requests, {i: batches[i].rows for i in indices}, fuse=grouped)
                 if grouped:
                     keys = [self.slots[requests[i].tenant].backbone_id for i in indices]
                     rows = [batches[i].batch_size for i in indices]
@@ -239,7 +241,7 @@ class ModelRunner:
                 else:
                     plan = [[i] for i in indices]
                 for group in plan:
-                    self._run_group(group, requests, batches, results, rnd, fuse=grouped)
+                    self._run_group(group, batches, results, rnd)
                 self._finish(rnd, results)
         return results
 
@@ -285,21 +287,21 @@ class ModelRunner:
             rounds[k].append(i)
         return rounds
 
-    def _run_group(self, group: list[int], requests: list[Request], batches: dict[int, _Ingested],
-                   results: list[Result], rnd: Round, fuse: bool) -> None:
+    def _run_group(self, group: list[int], batches: dict[int, _Ingested], results: list[Result], rnd: Round) -> None:
         """One backbone call for the group's requests; those that train through the backbone (an
         adapter, query tokens) run apart, with gradients, so that nobody else's rows keep activations
         for a backward (their own call is the no-grad one, unchanged by such tenants beside them)."""
+        requests = rnd.requests
         training = [i for i in group if isinstance(requests[i], ForwardBackward)
                     and self.slots[requests[i].tenant].trains_backbone]
         plain = [i for i in group if i not in training]
         for sub, grad in ((plain, False), (training, True)):
             if sub:
-                self._run_call(sub, requests, batches, results, rnd, fuse, grad)
+                self._run_call(sub, batches, results, rnd, grad)
 
-    def _run_call(self, group: list[int], requests: list[Request], batches: dict[int, _Ingested],
-                  results: list[Result], rnd: Round, fuse: bool, grad: bool) -> None:
-        slots = [self.slots[requests[i].tenant] for i in group]
+    def _run_call(self, group: list[int], batches: dict[int, _Ingested], results: list[Result], rnd: Round,
+                  grad: bool) -> None:
+        slots = [self.slots[rnd.requests[i].tenant] for i in group]
         backbone = self.backbones[slots[0].backbone_id]
         n_layers = max(s.head_spec.feature_layers for s in slots)
         start = self.lane.mark()
@@ -321,7 +323,7 @@ class ModelRunner:
                 # Find the request that broke the group; the others must still succeed.
                 log.warning("group of %d requests failed in the backbone (%s); retrying one by one", len(group), e)
                 for i in group:
-                    self._run_call([i], requests, batches, results, rnd, fuse, grad)
+                    self._run_call([i], batches, results, rnd, grad)
                 return
             results[group[0]].error = e
             return
@@ -331,9 +333,9 @@ class ModelRunner:
         mine = {i: f.select(slice(None), None, s.head_spec.feature_layers) for i, s, f in zip(group, slots, features)}
         if grad:
             with self.lane.autocast():
-                self.heads.joint(group, requests, {i: batches[i].rows for i in group}, mine, rnd, fuse)
+                self.heads.joint(group, mine, rnd)
         else:
-            self.heads.run(group, requests, {i: batches[i].rows for i in group}, mine, rnd, fuse)
+            self.heads.run(group, mine, rnd)
 
     @staticmethod
     @contextlib.contextmanager
@@ -362,15 +364,15 @@ class ModelRunner:
         fuse: fuse same-architecture heads (default: the runner's setting)."""
         results = [Result(r.tenant) for r in requests]
         with self.lane.active():
-            rnd, rows, mine = Round(), {}, {}
+            rnd = Round(requests, fuse=self.fuse_heads if fuse is None else fuse)
+            mine = {}
             for i, (r, f) in enumerate(zip(requests, features)):
                 slot = self.slot(r.tenant)
                 checked = slot.check_rows(r.obs.batch_size, r.obs.state, r.actions, r.action_mask, r.loss, True) \
                     if isinstance(r, ForwardBackward) else slot.check_rows(r.obs.batch_size, r.obs.state)
-                rows[i] = checked.to(slot.device)
+                rnd.rows[i] = checked.to(slot.device)
                 mine[i] = f.select(slice(None), None, slot.head_spec.feature_layers)
-            self.heads.run(list(range(len(requests))), requests, rows, mine, rnd,
-                           self.fuse_heads if fuse is None else fuse)
+            self.heads.run(list(range(len(requests))), mine, rnd)
             self._finish(rnd, results)
         return results
 

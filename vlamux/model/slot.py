@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +29,8 @@ from vlamux.model.policy_loss import PolicyLoss, policy_objective
 from vlamux.model import slot_file
 from vlamux.model.slot_file import MODULE_PREFIXES
 from vlamux.specs import Bound, bounded, check
+from vlamux.model.slot_inputs import FBInputs, PendingGrads, RowInputs
+from vlamux.model.snapshot import PolicySnapshot
 from vlamux.utils.seeding import seeded
 
 
@@ -44,76 +46,6 @@ class OptimizerSpec:
     def __post_init__(self):
         check(self)
         self.betas = tuple(self.betas)
-
-
-@dataclass(frozen=True)
-class PolicySnapshot:
-    """An immutable copy of a tenant's policy at one version: the control plane's unit."""
-
-    tenant: str
-    version: int
-    backbone_id: str
-    head_spec: HeadSpec
-    tensors: dict  # "head.*" weights and "stats.*" statistics, on the host
-    stats_modes: dict
-    # On CUDA: an event marking `tensors` complete (they are filled asynchronously); None when they are.
-    done: object = field(default=None, compare=False, repr=False)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
-
-    def ready(self) -> PolicySnapshot:
-        """Wait until `tensors` hold the version (a host reader's duty; device readers wait on `done`)."""
-        if self.done is not None:
-            self.done.synchronize()
-        return self
-
-    def __getstate__(self):  # to another process (Ray): the tensors complete, no CUDA event
-        self.ready()
-        return {**self.__dict__, "done": None}
-
-    def __setstate__(self, state):
-        for k, v in state.items():
-            object.__setattr__(self, k, v)
-
-
-@dataclass
-class PendingGrads:
-    """A forward_backward computed on the device but not applied yet. Whether it is finite is only
-    known once the host reads `finite`, which the runner does for a whole group at once (one wait
-    per group, not one per tenant); `Slot.settle` then applies or drops it."""
-
-    grads: list  # per trainable parameter (Slot.params order): Tensor or None
-    out: dict  # "loss", metrics and extras: device tensors, bound for the host
-    finite: Tensor  # 0-d bool: the loss and every gradient are finite
-    rng: Tensor  # the generator's state before this call's draws (restored if it is dropped)
-    norm: Tensor | None = None  # 0-d: the gradients' global L2 norm (None: no gradient)
-
-
-@dataclass
-class RowInputs:
-    """A request's per-row inputs to one tenant's head, checked (`Slot.check_rows`), in its own units."""
-
-    state: Tensor | None
-    actions: Tensor | None = None
-    mask: Tensor | None = None
-    loss: PolicyLoss | None = None
-
-    def to(self, device) -> RowInputs:
-        move = (lambda t: None if t is None else to_device(t, device))
-        return RowInputs(move(self.state), move(self.actions), move(self.mask),
-                         None if self.loss is None else self.loss.to(device))
-
-
-@dataclass
-class FBInputs:
-    """One tenant's forward_backward inputs, checked, normalised and on the slot's device."""
-
-    feature: VLAFeature
-    state: Tensor | None
-    actions: Tensor
-    mask: Tensor
-    loss: PolicyLoss | None
 
 
 class Slot:

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from vlamux.envs.base import EnvSpec
 from vlamux.model import HeadSpec, Observation, OptimizerSpec
-from vlamux.model.slot import PolicySnapshot
+from vlamux.model.snapshot import PolicySnapshot
 
 
 class Environments(Protocol):

@@ -42,13 +42,12 @@ from typing import Any
 
 import numpy as np
 
-from vlamux.data.errors import DatasetError, DatasetFormatError
 from vlamux.envs.base import EnvError, EnvSpec
 from vlamux.envs.workers import VectorEnv
-from vlamux.errors import InvalidInputError, public_message
+from vlamux.errors import InvalidInputError
 from vlamux.model.batch import obs_to_observation
 from vlamux.services import env_inputs as check
-from vlamux.services.env_inputs import check_dataset_root
+from vlamux.services.env_datasets import DatasetHandles, close_quietly
 from vlamux.services.handles import (DatasetNotFound, Handle, Handles, NotFound, QuotaExceeded, ServiceClosed,
                                      SessionBusy, SessionNotFound)
 
@@ -80,29 +79,9 @@ class _Session(Handle):
         return self.vec
 
 
-@dataclass(kw_only=True)
-class _Dataset(Handle):
-    KIND = "dataset"
-
-    root: str
-    dataset: Any  # EpisodeDataset
-    sampler: Any  # ChunkSampler
-    epoch: int = 0
-    next_batch: int = 0
-    order: np.ndarray | None = None
-
-    @property
-    def wait_bound_s(self) -> float:
-        return 300.0  # a batch is local disk reads and decoding
-
-    @property
-    def resource(self):
-        return self.dataset
-
-
 # ---- the service ----------------------------------------------------------------------------------
 
-class EnvironmentService:
+class EnvironmentService(DatasetHandles):
     """Simulator sessions and dataset handles of many tenants. See the module docstring.
 
     Quotas (None = no limit): ``max_sessions_per_tenant``, ``max_envs_per_tenant`` (sub-envs over the
@@ -221,7 +200,7 @@ class EnvironmentService:
                 pending[0] -= 1
                 pending[1] -= n_envs
             if vec is not None:  # opened, but the service closed meanwhile (or bookkeeping failed)
-                _close_quietly(vec)
+                close_quietly(vec)
 
     def reset(self, tenant: str, session_id: str, seed: int | None = None, indices: Sequence[int] | None = None):
         """Reset sub-envs (all by default; sub-env i gets seed + i). Returns (obs, infos) for `indices`."""
@@ -282,7 +261,7 @@ class EnvironmentService:
         """Close a session and stop its simulators. Its id is then unknown (SessionNotFound)."""
         s = self._acquire("session", tenant, session_id)
         self._handles.close(s)
-        _close_quietly(s.vec)
+        close_quietly(s.vec)
 
     def list_sessions(self, tenant: str) -> list[dict]:
         """`session_info` of each of the tenant's open sessions, oldest first."""
@@ -302,124 +281,6 @@ class EnvironmentService:
 
     obs_to_observation = staticmethod(obs_to_observation)
 
-    # ---- datasets --------------------------------------------------------------------------------
-    def open_dataset(self, tenant: str, root: str | Path, horizon: int, batch_size: int,
-                     camera_map: Mapping[str, str], state_key: str | None = "observation.state",
-                     action_key: str = "action", seed: int = 0, *, idle_timeout_s: float | None = 3600.0,
-                     episodes: Sequence[int] | None = None, cache_mb: float = 512.0,
-                     options: Mapping[str, Any] | None = None) -> str:
-        """Open a dataset for sampling; returns the dataset id.
-
-        root: a LeRobot dataset directory (v3.0 or v2.1), or a robomimic/LIBERO HDF5 file. camera_map:
-        dataset camera key -> camera name in the Observation. The rest is `ChunkSampler`'s. options:
-        extra keyword arguments of the reader (e.g. ``instruction`` for a robomimic file).
-        """
-        from vlamux.data import ChunkSampler, LeRobotDataset, RobomimicDataset
-
-        tenant = check.tenant_name(tenant)
-        idle_timeout_s = check.idle_seconds("idle_timeout_s", idle_timeout_s)
-        if not isinstance(root, (str, Path)) or not str(root):
-            raise InvalidInputError(f"root: expected a path, got {root!r}")
-        path = check_dataset_root(root, self.allowed_dataset_roots)
-        if not isinstance(camera_map, Mapping):
-            raise InvalidInputError(f"camera_map: expected a mapping of dataset camera key -> camera name, "
-                                    f"got {type(camera_map).__name__}")
-        handles = self._handles
-        with handles.lock:
-            handles.check_open()
-            mine = len(handles.owned("dataset", tenant)) + handles.pending[tenant][2]
-            if self.max_datasets_per_tenant is not None and mine + 1 > self.max_datasets_per_tenant:
-                raise QuotaExceeded(f"tenant {tenant!r}: dataset quota reached ({self.max_datasets_per_tenant} "
-                                    f"open datasets at most); close one first")
-            handles.pending[tenant][2] += 1
-        ds = None
-        try:
-            opts = dict(options or {})
-            try:
-                if path.is_dir():
-                    ds = LeRobotDataset(path, video_cache_mb=cache_mb, **opts)
-                else:
-                    ds = RobomimicDataset(path, cache_mb=cache_mb, **opts)
-            except (DatasetError, InvalidInputError):
-                raise
-            except TypeError as e:
-                raise InvalidInputError(f"options: {e}") from None
-            except Exception as e:  # noqa: BLE001 - a reader's own failure, named with the path
-                raise DatasetFormatError(public_message(f"{path.name}: could not open the dataset "
-                                                        f"({type(e).__name__}: {e})")) from None
-            sampler = ChunkSampler(ds, horizon, batch_size, dict(camera_map), state_key=state_key,
-                                   action_key=action_key, seed=check.seed_value(seed) or 0, episodes=episodes)
-            if len(sampler) == 0:
-                raise DatasetError(f"{path.name}: batch_size {batch_size} is larger than the {sampler.num_samples} "
-                                   f"frames of the dataset")
-            now, wall = time.monotonic(), time.time()
-            d = _Dataset(id=self._id_prefix + uuid.uuid4().hex, tenant=tenant, root=str(path), dataset=ds, sampler=sampler,
-                         idle_timeout_s=idle_timeout_s, created=wall, last_used_mono=now, last_used=wall)
-            with handles.lock:
-                handles.add(d)
-                ds = None
-            return d.id
-        finally:
-            with handles.lock:
-                handles.pending[tenant][2] -= 1
-            if ds is not None:
-                _close_quietly(ds)
-
-    def sample(self, tenant: str, dataset_id: str):
-        """The next training batch: (Observation, actions float32 [B, H, A], action_mask bool [B, H]).
-        Batches walk the sampler's seeded epochs in order (epoch 0, 1, ...), every frame once per epoch."""
-        d = self._acquire("dataset", tenant, dataset_id)
-        try:
-            t0 = time.perf_counter()
-            sampler = d.sampler
-            if d.order is None or d.next_batch >= len(sampler):
-                if d.order is not None:
-                    d.epoch += 1
-                d.order, d.next_batch = sampler.order(d.epoch), 0
-            b, bs = d.next_batch, sampler.batch_size
-            batch = self._decode(sampler.batch, d.order[b * bs:(b + 1) * bs])
-            d.next_batch += 1
-            self._handles.count(d, samples=batch[0].batch_size, sample_calls=1, sample_s=time.perf_counter() - t0)
-            return batch
-        finally:
-            self._handles.release(d)
-
-    def _decode(self, fn, *args):
-        """Run a dataset's reading and decoding: on the simulators' cores where the service has them
-        (the papers' split keeps data work off the model services' cores; the caller waits as before)."""
-        if self.worker_cpus is None:
-            return fn(*args)
-        with self._lock:
-            if self._data_threads is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                from vlamux.utils.placement import pin_self
-
-                self._data_threads = ThreadPoolExecutor(2, "vlamux-env-data", initializer=pin_self,
-                                                        initargs=(self.worker_cpus,))
-            pool = self._data_threads
-        return pool.submit(fn, *args).result()
-
-    def dataset_stats(self, tenant: str, dataset_id: str, mode: str = "mean_std") -> dict:
-        """{"action": NormStats, "state": NormStats | None}: the dataset's statistics, private copies."""
-        d = self._acquire("dataset", tenant, dataset_id)
-        try:
-            stats = d.sampler.norm_stats(mode)
-        finally:
-            self._handles.release(d)
-        return {k: None if v is None else v.to("cpu") for k, v in stats.items()}
-
-    def dataset_info(self, tenant: str, dataset_id: str) -> dict:
-        return self._dataset_info(self._lookup("dataset", tenant, dataset_id))
-
-    def list_datasets(self, tenant: str) -> list[dict]:
-        return [self._dataset_info(d) for d in self._handles.mine("dataset", check.tenant_name(tenant))]
-
-    def close_dataset(self, tenant: str, dataset_id: str) -> None:
-        d = self._acquire("dataset", tenant, dataset_id)
-        self._handles.close(d)
-        _close_quietly(d.dataset)
-
     # ---- idle timeouts ---------------------------------------------------------------------------
     def reap(self, now: float | None = None) -> list[str]:
         """Close every session and dataset unused for longer than its idle timeout; returns their ids.
@@ -427,7 +288,7 @@ class EnvironmentService:
         victims = self._handles.expired(time.monotonic() if now is None else now)
         for h in victims:
             log.info("reaped idle %s %s of tenant %s", h.KIND, h.id, h.tenant)
-            _close_quietly(h.resource)
+            close_quietly(h.resource)
         return [h.id for h in victims]
 
     def check_workers(self, timeout_s: float = 5.0) -> dict[str, list[int]]:
@@ -528,7 +389,7 @@ class EnvironmentService:
             got = h.lock.acquire(timeout=min(h.wait_bound_s, timeout_s))  # let a running call finish
             try:
                 h.closed = True
-                _close_quietly(h.resource)
+                close_quietly(h.resource)
             finally:
                 if got:
                     h.lock.release()
@@ -590,25 +451,6 @@ class EnvironmentService:
                 "step_calls": s.counters.step_calls, "reset_calls": s.counters.reset_calls,
                 "errors": s.counters.errors, "needs_reset": np.array(vec.needs_reset, dtype=bool).tolist(),
                 "worker_restarts": int(getattr(vec, "restarts", 0)), "action_spec": getattr(vec, "action_spec", None)}
-
-    def _dataset_info(self, d: _Dataset) -> dict:
-        sm = d.sampler
-        return {"dataset_id": d.id, "root": d.root, "num_episodes": len(sm.episodes), "num_samples": sm.num_samples,
-                "horizon": sm.horizon, "batch_size": sm.batch_size, "batches_per_epoch": len(sm),
-                "camera_map": dict(sm.camera_map), "state_key": sm.state_key, "action_key": sm.action_key,
-                "epoch": d.epoch, "next_batch": d.next_batch, "samples": d.counters.samples,
-                "created": d.created, "last_used": d.last_used, "idle_timeout_s": d.idle_timeout_s}
-
-
-def _close_quietly(obj) -> None:
-    close = getattr(obj, "close", None)  # readers that hold no open files have nothing to close
-    if close is None:
-        return
-    try:
-        close()
-    except Exception:  # noqa: BLE001 - closing must not fail the caller
-        log.exception("environment service: closing %s failed", type(obj).__name__)
-
 
 __all__ = ["DatasetNotFound", "EnvironmentService", "NotFound", "QuotaExceeded", "ServiceClosed", "SessionBusy",
            "SessionNotFound", "obs_to_observation"]

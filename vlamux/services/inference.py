@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from vlamux.errors import UnknownTenantError
 from vlamux.model import Backbone, ModelRunner, Observation, Sample
-from vlamux.model.slot import PolicySnapshot
+from vlamux.model.snapshot import PolicySnapshot
 from vlamux.services.accounting import Accounting
 from vlamux.services.control import Retired
 from vlamux.services.engine import EngineLoop

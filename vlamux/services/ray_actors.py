@@ -21,7 +21,7 @@ import torch
 
 from vlamux.model import BackboneSpec
 from vlamux.model.batch import obs_to_observation
-from vlamux.model.slot import PolicySnapshot
+from vlamux.model.snapshot import PolicySnapshot
 from vlamux.services import shipping
 from vlamux.services.control import PolicyPublisher
 from vlamux.services.environment import EnvironmentService

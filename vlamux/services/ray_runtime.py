@@ -27,10 +27,11 @@ import ray
 
 from vlamux.errors import UnknownBackboneError
 from vlamux.model import HeadSpec, Observation, OptimizerSpec
-from vlamux.model.slot import PolicySnapshot
+from vlamux.model.snapshot import PolicySnapshot
 from vlamux.services import shipping
 from vlamux.services.control import Retired
 from vlamux.services.health import HealthManager, Role
+from vlamux.services.ordering import TenantOrder, then
 from vlamux.services.ray_actors import CALL_TIMEOUT_S, EnvironmentActor, InferenceActor, TrainingActor
 from vlamux.services.ray_environments import RayEnvironments
 from vlamux.services.routing import Router
@@ -74,7 +75,8 @@ class RayRuntime:
         self._sent: dict[str, int] = {}  # requests sent to each replica
         self._incarnations: dict[str, str] = {}
         self.book = SlotBook()  # recipes, checkpoints and newest versions: what a restart restores
-        self._last_call: dict[str, Future] = {}  # each tenant's newest training call (`_in_order`)
+        # a tenant's training calls reach the actor in the order they are made, as the Training Queue's do in process
+        self._in_order = TenantOrder()
         self.environment = RayEnvironments(self.config.environment.get("allowed_dataset_roots"))
         self.health = HealthManager(self.config.health_interval_s, self.config.hung_after_s,
                                     env_check=self.environment.check_workers,
@@ -185,35 +187,6 @@ class RayRuntime:
                 time.sleep(0.2)
 
     # ---- training ---------------------------------------------------------------------------------
-    def _in_order(self, tenant: str, send) -> Future:
-        """`send()` (a future of a call to the training actor) once the tenant's previous call finished,
-        whether it failed or not: in process the Training Queue receives a tenant's calls in the order
-        they are made, and here they keep it."""
-        out: Future = Future()
-        with self._lock:
-            prev, self._last_call[tenant] = self._last_call.get(tenant), out
-
-        def go(_=None) -> None:
-            try:
-                inner = send()
-            except Exception as e:  # noqa: BLE001 - the caller's future carries it
-                out.set_exception(e)
-                return
-            inner.add_done_callback(lambda f: out.set_exception(f.exception()) if f.exception() is not None
-                                    else out.set_result(f.result()))
-
-        def forget(_) -> None:  # a tenant with no call in flight holds no place
-            with self._lock:
-                if self._last_call.get(tenant) is out:
-                    del self._last_call[tenant]
-
-        out.add_done_callback(forget)
-        if prev is None:
-            go()
-        else:
-            prev.add_done_callback(go)
-        return out
-
     def create_slot(self, tenant: str, head_spec: HeadSpec, optim: OptimizerSpec | None = None, seed: int = 0,
                     stats: dict | None = None, backbone: str | None = None) -> Future:
         backbone_id = self.backbone_id(backbone)
@@ -235,7 +208,7 @@ class RayRuntime:
             if not self._stopping:
                 self._followups.submit(self._stage_everywhere, Retired(tenant), CALL_TIMEOUT_S)
 
-        fut = self._in_order(tenant, lambda: _then(self.training.remove_slot.remote(tenant).future(), gone))
+        fut = self._in_order(tenant, lambda: then(self.training.remove_slot.remote(tenant).future(), gone))
         fut.add_done_callback(lambda f: f.exception() is not None and failed(f.exception()))
         return fut
 
@@ -304,7 +277,7 @@ class RayRuntime:
             self.book.file_used(tenant, path, making)
             return {"path": str(path), **info}
 
-        return self._in_order(tenant, lambda: _then(self.training.save_state.remote(tenant).future(), written))
+        return self._in_order(tenant, lambda: then(self.training.save_state.remote(tenant).future(), written))
 
     def load_state(self, tenant: str, path: str | Path) -> Future:
         path, making = Path(path).absolute(), self.book.making(tenant)
@@ -322,7 +295,7 @@ class RayRuntime:
 
     def export_adapter(self, tenant: str, path, base_model: str | None = None) -> Future:
         path = Path(path).absolute()
-        return self._in_order(tenant, lambda: _then(self.training.export_adapter.remote(tenant, base_model).future(),
+        return self._in_order(tenant, lambda: then(self.training.export_adapter.remote(tenant, base_model).future(),
                                                     lambda shipment: {"path": str(shipping.write_back(shipment, path))}))
 
     def version(self, tenant: str) -> int:
@@ -486,18 +459,3 @@ class RayRuntime:
         handle = self.environment.drain(name, timeout_s)
         self.health.unwatch(name)
         ray.kill(handle, no_restart=True)
-
-
-def _then(fut: Future, fn) -> Future:
-    """A future of `fn(fut's result)`, computed on the thread that completes `fut` (Ray's: `fn` must not
-    wait on Ray)."""
-    out: Future = Future()
-
-    def done(f: Future) -> None:
-        try:
-            out.set_result(fn(f.result()))
-        except BaseException as e:  # noqa: BLE001 - the caller's future carries it
-            out.set_exception(e)
-
-    fut.add_done_callback(done)
-    return out

@@ -19,7 +19,7 @@ import torch
 from vlamux.errors import UnknownBackboneError, UnknownTenantError
 from vlamux.model import Backbone, BackboneSpec, HeadSpec, Observation, OptimizerSpec, build_backbone
 from vlamux.model.device import resolve_device, resolve_dtype
-from vlamux.model.slot import PolicySnapshot
+from vlamux.model.snapshot import PolicySnapshot
 from vlamux.services.control import PolicyPublisher, Retired
 from vlamux.services.environment import EnvironmentService
 from vlamux.services.health import HealthManager, Role

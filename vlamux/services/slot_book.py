@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlamux.model import HeadSpec, OptimizerSpec
-from vlamux.model.slot import PolicySnapshot
+from vlamux.model.snapshot import PolicySnapshot
 from vlamux.policy import is_policy_file
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vlamux.model.heads.base import ActionHead, HeadSpec
+from vlamux.model.heads.base import HEADS, IMPORTED_HEADS, ActionHead, HeadSpec
 from vlamux.model.heads.bins import BinsHead
 from vlamux.model.heads.flow import FlowHead
 from vlamux.model.heads.gaussian import GaussianHead
@@ -10,9 +10,8 @@ from vlamux.model.heads.l1_chunk import L1ChunkHead
 from vlamux.model.heads.layers import init_linear
 from vlamux.model.heads.lerobot import LeRobotHead
 
-HEADS: dict[str, type[ActionHead]] = {h.kind: h for h in (L1ChunkHead, FlowHead, GaussianHead, BinsHead)}
-# heads a spec cannot ask for by hand: made by importing a pretrained policy (its expert), with its backbone
-IMPORTED_HEADS = {LeRobotHead.kind: LeRobotHead}
+HEADS.update({h.kind: h for h in (L1ChunkHead, FlowHead, GaussianHead, BinsHead)})
+IMPORTED_HEADS.update({LeRobotHead.kind: LeRobotHead})
 
 __all__ = ["ActionHead", "HeadSpec", "HEADS", "build_head"]
 

@@ -30,6 +30,12 @@ from vlamux.model.feature import TokenType, VLAFeature
 from vlamux.model.heads.layers import ChunkDecoder, Linear, broadcast_param
 
 
+# kind -> head class, filled by the package (vlamux.model.heads), which imports every head
+HEADS: dict[str, type[ActionHead]] = {}
+# heads a spec cannot ask for by hand: made by importing a pretrained policy (its expert), with its backbone
+IMPORTED_HEADS: dict[str, type] = {}
+
+
 @dataclass
 class HeadSpec:
     kind: str  # one of vlamux.model.heads.HEADS (or an imported policy's, made by its importer)
@@ -58,8 +64,6 @@ class HeadSpec:
             raise SpecError(f"width: {self.width} is not a multiple of n_heads {self.n_heads}")
         if self.feature_layers not in (0, self.depth):
             raise SpecError(f"feature_layers: must be 0 or depth ({self.depth}), got {self.feature_layers!r}")
-        from vlamux.model.heads import HEADS, IMPORTED_HEADS  # the registry imports this module
-
         if not isinstance(self.options, dict):
             raise SpecError(f"options: expected a mapping, got {type(self.options).__name__}")
         if self.kind in HEADS:
