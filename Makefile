@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 # again (CI's disk is not always that large).
 export PIP_NO_CACHE_DIR := 1
 
-.PHONY: setup libero demo test bench bench-quick plots clean
+.PHONY: setup libero demo test coverage bench bench-quick plots clean
 
 setup: $(VENV)/.installed
 
@@ -42,6 +42,14 @@ test: setup libero
 	$(PY) -m pytest -q -m serial; serial=$$?; \
 	echo "make test: parallel phase exit $$parallel, serial phase exit $$serial"; \
 	[ $$parallel -eq 0 ] && [ $$serial -eq 0 ]
+
+# Line coverage of vlamux/ over both phases, in the tests' processes and the xdist workers (servers the
+# tests start as subprocesses are not counted): the total on the last line, per file in coverage.json.
+coverage: setup libero
+	@rm -f .coverage; OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder \
+	  -m "not serial" --cov=vlamux --cov-report=; \
+	$(PY) -m pytest -q -m serial --cov=vlamux --cov-append --cov-report=json:coverage.json --cov-report=; \
+	$(PY) -m coverage report --format=total --precision=2 | sed 's/^/line coverage of vlamux\/ (%): /'
 
 bench: setup
 	$(PY) bench/group_batching.py

@@ -3,7 +3,8 @@ modules over the size limit, and the import graph's back-edges (an import agains
 and cycles.
 
     python scripts/layout.py            # the report
-    python scripts/layout.py --check    # exit 1 if there is a cycle, a back-edge or an unexplained long module
+    python scripts/layout.py --check    # exit 1 on a cycle, a back-edge, an unexplained long module, or an
+                                        # import of a service's internals in the API layer
 
 The layer order (docs/ARCHITECTURE.md's "data flows one way"): a module may import from its own layer
 and the layers below it. Imports inside a function (made when it runs, often to keep a heavy extra
@@ -38,6 +39,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("model",),
     ("utils", "specs", "errors", "wire", "assets"),
 ]
+
+# What the API layer may import of the services: the runtime contract, and the two runtimes where the
+# host builds one (the composition root). Anything else would be a service's internals.
+API_MAY_IMPORT = {"vlamux.services.contract", "vlamux.services.runtime", "vlamux.services.ray_runtime"}
 
 # modules allowed past LIMIT, and why (empty: none)
 LONG_OK: dict[str, str] = {}
@@ -142,8 +147,10 @@ def report(root: Path = ROOT) -> dict:
     back = [(m, t, line, lazy) for m, e in edges.items() for t, line, lazy in e
             if layer_of(t) < layer_of(m) and not t.startswith(m + ".")]
     long = {m: n for m, n in lines.items() if n > LIMIT}
+    internals = sorted((m, t, line) for m, e in edges.items() if m.startswith(f"{PACKAGE}.api.")
+                       for t, line, _ in e if t.startswith(f"{PACKAGE}.services") and t not in API_MAY_IMPORT)
     return {"lines": lines, "paths": mods, "back_edges": back, "cycles": cycles(graph),
-            "long": long, "unexplained_long": sorted(set(long) - set(LONG_OK))}
+            "long": long, "unexplained_long": sorted(set(long) - set(LONG_OK)), "api_internals": internals}
 
 
 def main(argv=None) -> int:
@@ -171,8 +178,13 @@ def main(argv=None) -> int:
         print("  " + " <-> ".join(comp))
     if not r["cycles"]:
         print("  none")
+    print(f"\nthe API's imports of services' internals (beyond {', '.join(sorted(API_MAY_IMPORT))}):")
+    for m, t, line in r["api_internals"]:
+        print(f"  {m}:{line} imports {t}")
+    if not r["api_internals"]:
+        print("  none")
     print(f"\nmodules over {LIMIT} lines: {len(r['long'])} ({len(r['unexplained_long'])} without a stated reason)")
-    bad = bool(r["cycles"] or r["back_edges"] or r["unexplained_long"])
+    bad = bool(r["cycles"] or r["back_edges"] or r["unexplained_long"] or r["api_internals"])
     return 1 if args.check and bad else 0
 
 

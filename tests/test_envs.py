@@ -229,8 +229,14 @@ def test_env_exception_is_reported_and_workers_stay_in_step(vec):
 
 
 def test_vector_env_reports_why_creation_failed():
+    from vlamux.specs import SpecError
+
+    with pytest.raises(SpecError, match="^task: unknown tabletop task"):  # the spec refuses it first
+        EnvSpec(task="goal/fly-away")
+    spec = EnvSpec()
+    object.__setattr__(spec, "task", "goal/fly-away")  # past the spec's check: what the worker says is relayed
     with pytest.raises(EnvError, match="unknown tabletop task"):
-        VectorEnv(EnvSpec(task="goal/fly-away"), n_envs=2, n_workers=1, timeout_s=10)
+        VectorEnv(spec, n_envs=2, n_workers=1, timeout_s=10)
 
 
 def test_interrupted_call_never_leaves_a_stale_reply(vec):

@@ -70,16 +70,23 @@ def test_slots_name_their_backbone_and_groups_keep_apart(runtime):
         runtime.create_slot("nowhere", HEAD, backbone="llama")
 
 
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory):
+    from vlamux.data.demos import generate
+
+    data = tmp_path_factory.mktemp("demos") / "tiny"
+    generate(["goal/touch-red-cube"], 4, data, image_size=32, workers=1, progress=None)
+    return data  # read only: every job below samples it
+
+
 @pytest.mark.parametrize("backbone,query_tokens", [("qwen", 0), ("qwen", 4), *[(f, 0) for f in OTHER_FAMILIES]])
-def test_an_sft_job_on_the_hf_backbone_lowers_its_loss(runtime, tmp_path, backbone, query_tokens):
+def test_an_sft_job_on_the_hf_backbone_lowers_its_loss(runtime, demos, tmp_path, backbone, query_tokens):
     """On each family, in one service beside the others; also with learned query tokens appended to the
     prompt (and nothing else of the backbone adapted)."""
-    from vlamux.data.demos import generate
     from vlamux.jobs import JobSpecError
     from vlamux.jobs.master import MasterService
 
-    data = tmp_path / "demos"
-    generate(["goal/touch-red-cube"], 4, data, image_size=32, workers=1, progress=None)
+    data = demos
     master = MasterService(runtime, tmp_path / "jobs")
     tenant = f"hf-sft-{backbone.replace('_', '-')}-q{query_tokens}"
     spec = {"name": tenant, "tenant": tenant, "kind": "sft", "backbone": backbone,

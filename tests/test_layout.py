@@ -24,3 +24,14 @@ def test_the_package_has_no_import_cycle_and_its_report_prints():
     assert layout.layer_of("vlamux.cli") < layout.layer_of("vlamux.api.host") < layout.layer_of("vlamux.model.slot")
     out = subprocess.run([sys.executable, "scripts/layout.py"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "back-edges" in out.stdout and "vlamux.model  (" in out.stdout
+
+
+def test_the_layout_holds_its_rules():
+    """No back-edge, no cycle, no module over the limit without a reason, and the API reaches the
+    services through the runtime contract only (issue 27)."""
+    r = layout.report()
+    assert r["back_edges"] == [] and r["cycles"] == [] and r["unexplained_long"] == [], r
+    assert r["api_internals"] == [], r["api_internals"]
+    out = subprocess.run([sys.executable, "scripts/layout.py", "--check"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout[-2000:]

@@ -34,6 +34,8 @@ class Budget:
     sft_steps: int = 2000  # the SFT tenant's
     warm_start_steps: int = 1500  # each RL tenant's behaviour cloning before RL
     rl_env_steps: int = 10000
+    rl_envs: int = 8  # each RL sub-batch's envs (two sub-batches a tenant)
+    segment_steps: int = 8  # vectorised steps of a PPO segment
     eval_episodes: int = 50
     # tenants whose module holds a LoRA adapter on the backbone beside the head (the others read its
     # frozen features); rank and the adapted Linears of every block
@@ -51,8 +53,9 @@ class Budget:
 
     @classmethod
     def quick(cls) -> Budget:
-        return cls(demos=8, sft_steps=12, warm_start_steps=6, rl_env_steps=192, eval_episodes=4, max_steps=16,
-                   batch_size=8, lora_rank=4)
+        # one segment of 4 envs x 4 steps x 4 actions per sub-batch: RL's plumbing, each lane once or twice
+        return cls(demos=8, sft_steps=12, warm_start_steps=6, rl_env_steps=128, rl_envs=4, segment_steps=4,
+                   eval_episodes=4, max_steps=16, batch_size=8, lora_rank=4)
 
 
 def env_spec(b: Budget) -> dict:
@@ -70,7 +73,8 @@ def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[di
     sft = {"dataset": str(dataset), "camera_map": CAMERAS, "batch_size": b.batch_size, "lr": 1e-3,
            "schedule": "cosine", "warmup_steps": min(100, max(1, b.sft_steps // 10))}
     head = {"action_dim": 4, "horizon": b.horizon, "state_dim": 8}
-    rl = {"env": env, "env_steps": b.rl_env_steps, "n_envs": 8, "sub_batches": 2, "segment_steps": 8,
+    rl = {"env": env, "env_steps": b.rl_env_steps, "n_envs": b.rl_envs, "sub_batches": 2,
+          "segment_steps": b.segment_steps,
           "minibatch_rows": 64, "max_staleness": 4, "epochs": 2, "lr": 3e-5,  # 2 segments' worth of versions
           "critic_warmup": 30}  # measured: PPO at lr 1e-4 x 4 passes undid SFT (docs/RESULTS.md)
     grpo_steps = -(-b.max_steps // b.n_action_steps)  # an episode's vectorised steps
