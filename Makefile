@@ -38,8 +38,9 @@ demo: setup
 # skew. Both phases run; either failing fails the target.
 TEST_WORKERS ?= 2
 test: setup libero
-	@OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not serial"; parallel=$$?; \
-	$(PY) -m pytest -q -m serial; serial=$$?; \
+	@OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder -m "not serial" \
+	  --durations=15; parallel=$$?; \
+	$(PY) -m pytest -q -m serial --durations=15; serial=$$?; \
 	echo "make test: parallel phase exit $$parallel, serial phase exit $$serial"; \
 	[ $$parallel -eq 0 ] && [ $$serial -eq 0 ]
 

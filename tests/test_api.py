@@ -68,10 +68,10 @@ def wait_future(client, key: str, future_id: str) -> dict:
 # ---- the service -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    from vlamux.data.demos import generate
+    from demos import demo_dataset
 
     root = tmp_path_factory.mktemp("api")
-    generate(["goal/touch-red-cube"], 4, root / "datasets" / "tiny", image_size=32, workers=1, progress=lambda *a: None)
+    demo_dataset(root / "datasets" / "tiny", 4)
     # The meter ticks only when a test says so (meter.tick()), so usage checks are not racing it.
     host = ServiceHost(ServiceConfig(data_dir=root, env_workers=1, meter_every_s=3600))
     admin_key = host.start()

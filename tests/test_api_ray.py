@@ -24,9 +24,9 @@ MSGPACK = {"content-type": wire.CONTENT_TYPE}
 
 
 def test_routes_and_a_job_on_ray_services(tmp_path):
-    from vlamux.data.demos import generate
+    from demos import demo_dataset
 
-    generate(["goal/touch-red-cube"], 4, tmp_path / "datasets" / "tiny", image_size=32, workers=1, progress=None)
+    demo_dataset(tmp_path / "datasets" / "tiny", 4)
     if ray.is_initialized():
         ray.shutdown()
     host = ServiceHost(ServiceConfig(data_dir=tmp_path, ray_address="local"))

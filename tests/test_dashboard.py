@@ -37,10 +37,10 @@ JOB = {"name": "t", "kind": "sft", "head": {"kind": "gaussian", "action_dim": 4,
 def service(tmp_path_factory):
     from api_server import running_server
 
-    from vlamux.data.demos import generate
+    from demos import demo_dataset
 
     data = tmp_path_factory.mktemp("service")
-    generate(["goal/touch-red-cube"], 4, data / "datasets" / "tiny", image_size=32, workers=1)
+    demo_dataset(data / "datasets" / "tiny", 4)
     with running_server(data) as (url, admin, host):
         yield {"url": url, "admin": admin, "host": host}
 

@@ -52,10 +52,10 @@ TRICKS = ("data/chunk-{chunk_index.__class__}/file-{file_index:03d}.parquet",
 
 @pytest.fixture(scope="module")
 def demos(tmp_path_factory):
-    from vlamux.data.demos import generate
+    from demos import demo_dataset
 
     root = tmp_path_factory.mktemp("path-demos") / "demos"
-    generate(["goal/touch-red-cube"], 2, root, image_size=32, workers=1, progress=None)
+    demo_dataset(root, 2)
     return root
 
 

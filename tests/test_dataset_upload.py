@@ -18,11 +18,11 @@ HEAD = {"kind": "gaussian", "action_dim": 4, "horizon": 4, "state_dim": 8}
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from vlamux.data.demos import generate
+    from demos import demo_dataset
 
     root = tmp_path_factory.mktemp("uploads")
     demos = root / "demos"
-    generate(["goal/touch-red-cube"], 3, demos, image_size=32, workers=1, progress=None)
+    demo_dataset(demos, 3)
     with running_server(root / "svc") as (url, admin_key, host):
         admin = Client(url, admin_key)
         keys = {}

@@ -49,7 +49,7 @@ def _wait_for(cond, timeout_s: float, what: str):
 
 @pytest.mark.parametrize("store", ["sqlite", "postgresql"])
 def test_jobs_survive_a_killed_server(tmp_path, request, store):
-    from vlamux.data.demos import generate
+    from demos import demo_dataset
     from vlamux.sdk import Client
 
     store_url = None
@@ -59,7 +59,7 @@ def test_jobs_survive_a_killed_server(tmp_path, request, store):
         store_url = fresh_database(request.getfixturevalue("postgres_url"), "e2e")
 
     data_dir = tmp_path / "service"
-    generate(["goal/touch-red-cube"], 6, data_dir / "datasets" / "tiny", image_size=32, workers=1, progress=None)
+    demo_dataset(data_dir / "datasets" / "tiny", 6)
     port, log = _port(), tmp_path / "server.log"
     url = f"http://127.0.0.1:{port}"
     proc = _serve(data_dir, port, log, store_url)

@@ -33,13 +33,13 @@ def _obs(n=3, seed=0):
 def test_tenant_data_in_policies_out_through_a_served_subprocess(tmp_path):
     import vlamux.policy
     from vlamux.sdk.process import spawn, stop
-    from vlamux.data.demos import generate
+    from demos import demo_dataset
     from vlamux.data.lerobot import LeRobotDataset
     from vlamux.sdk import Client
     from vlamux.sdk.uploads import upload
 
     demos = tmp_path / "acme-demos"
-    generate(["goal/touch-red-cube"], 4, demos, image_size=32, workers=1, progress=None)
+    demo_dataset(demos, 4)
     assert LeRobotDataset(demos).info["codebase_version"] == "v3.0"
     port, log = _port(), tmp_path / "server.log"
     url = f"http://127.0.0.1:{port}"

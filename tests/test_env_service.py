@@ -37,10 +37,10 @@ def svc():
 
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory):
-    from vlamux.data.demos import generate
+    from demos import demo_dataset
 
     root = tmp_path_factory.mktemp("envsvc") / "d"
-    generate(["goal/touch-red-cube"], 2, root, image_size=32, workers=1, progress=None)
+    demo_dataset(root, 2)
     return root
 
 

@@ -72,10 +72,10 @@ def test_slots_name_their_backbone_and_groups_keep_apart(runtime):
 
 @pytest.fixture(scope="module")
 def demos(tmp_path_factory):
-    from vlamux.data.demos import generate
+    from demos import demo_dataset
 
     data = tmp_path_factory.mktemp("demos") / "tiny"
-    generate(["goal/touch-red-cube"], 4, data, image_size=32, workers=1, progress=None)
+    demo_dataset(data, 4)
     return data  # read only: every job below samples it
 
 

@@ -36,10 +36,10 @@ def test_services_and_simulators_run_on_their_own_cores():
 def test_datasets_decode_on_the_simulators_cores(tmp_path):
     """In the split, an SFT batch is read and decoded on the simulators' cores (the caller, on the
     services' cores, waits for it); the batches are the same as without a split."""
-    from vlamux.data.demos import generate
+    from demos import demo_dataset
 
     root = tmp_path / "d"
-    generate(["goal/touch-red-cube"], 2, root, image_size=32, workers=1, progress=None)
+    demo_dataset(root, 2)
     cams = {"observation.images.agentview": "agentview", "observation.images.wrist": "wrist"}
     services, sims = (CORES[0],), (CORES[1],)
     batches = {}

@@ -329,12 +329,12 @@ def test_no_directory_is_shared_between_the_driver_and_the_actors(cluster, tmp_p
     actors that need them (as bytes in the object store), the driver's checkpoint is written where the
     driver said, a restarted training actor restores from it, and a dataset keeps sampling after the
     driver's copy is gone."""
-    from vlamux.data.demos import generate
+    from demos import demo_dataset
     from vlamux.data.errors import DatasetError
     from vlamux.model.slot_file import read_slot_file
 
     driver = tmp_path / "driver"
-    generate(["goal/touch-red-cube"], 3, driver / "datasets" / "tiny", image_size=32, workers=1, progress=None)
+    demo_dataset(driver / "datasets" / "tiny", 3)
     monkeypatch.chdir(driver)  # every path below is relative: it means something on the driver only
     tmp = {role: tmp_path / f"tmp-{role}" for role in ("training", "inference", "environment")}
 

@@ -17,10 +17,10 @@ ENV = {"task": "goal/touch-red-cube", "image_size": 32}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from vlamux.data.demos import generate
+    from demos import demo_dataset
 
     root = tmp_path_factory.mktemp("service")
-    generate(["goal/touch-red-cube"], 4, root / "datasets" / "tiny", image_size=32, workers=1, progress=None)
+    demo_dataset(root / "datasets" / "tiny", 4)
     with running_server(root) as (url, admin_key, host):
         admin = vlamux.Client(url, api_key=admin_key, timeout_s=30)
         _, key = admin.admin.create_tenant("acme")

@@ -53,11 +53,10 @@ class Served:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from vlamux.data.demos import generate
+    from demos import demo_dataset
 
     root = tmp_path_factory.mktemp("served")
-    generate(["goal/touch-red-cube"], 3, root / "service" / "datasets" / "demos", image_size=32, workers=1,
-             progress=None)
+    demo_dataset(root / "service" / "datasets" / "demos", 3)
     s = Served(root / "service", root / "server.log").start()
     try:
         yield s

@@ -35,10 +35,10 @@ def runtime():
 
 @pytest.fixture(scope="module")
 def demos(tmp_path_factory):
-    from vlamux.data.demos import generate
+    from demos import demo_dataset
 
     root = tmp_path_factory.mktemp("wf") / "demos"
-    generate([ENV.task], 2, root, image_size=16, workers=1, progress=None)
+    demo_dataset(root, 2, image_size=16, task=ENV.task)
     return root
 
 

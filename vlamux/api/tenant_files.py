@@ -231,7 +231,7 @@ class TenantFiles:
         try:
             where = self._tenant(tenant_id) / "incoming"
             where.mkdir(parents=True, exist_ok=True)
-            return Spool(where / token, declared, grow=lambda total: self._grow(tenant_id, token, total),
+            return Spool(where / token, declared, token, grow=lambda total: self._grow(tenant_id, token, total),
                          release=lambda: self._release(tenant_id, token))
         except BaseException:
             self._release(tenant_id, token)

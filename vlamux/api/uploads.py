@@ -253,10 +253,12 @@ class Spool:
     comes before the bytes over the quota reach the disk. `discard()` removes the file and gives the
     reservation back; call it on every path (after `accept`, whose file moves away)."""
 
-    def __init__(self, path: Path, declared: int | None, grow: Callable[[int], None], release: Callable[[], None]):
-        """grow(total): reserve the upload's new size against the quota (raises when it does not fit);
-        release(): give the reservation back."""
-        self.path, self.declared, self._grow, self._release = path, declared, grow, release
+    def __init__(self, path: Path, declared: int | None, token: str, grow: Callable[[int], None],
+                 release: Callable[[], None]):
+        """token: its reservation's name in the quota's ledger (what `accept` leaves out of the count);
+        grow(total): reserve the upload's new size (raises when it does not fit); release(): give the
+        reservation back."""
+        self.path, self.declared, self.token, self._grow, self._release = path, declared, token, grow, release
         self.at = 0
         self.f = path.open("xb")
 
