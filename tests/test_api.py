@@ -411,7 +411,11 @@ def test_authentication_and_roles(svc, world):
     names = {t["name"] for t in ok(c.get("/v1/tenants", headers=bearer(svc.admin))).json()["tenants"]}
     assert {"acme-zq7x", "bolt-k3p9"} <= names
     assert w.a_id in ok(c.get("/v1/usage", headers=bearer(svc.admin))).json()["usage"]
-    assert "vlamux_" in ok(c.get("/metrics", headers=bearer(svc.admin))).text
+    text = ok(c.get("/metrics", headers=bearer(svc.admin))).text
+    assert "vlamux_" in text
+    # the world's training slot is counted as a slot, not as a job
+    ready = [line for line in text.splitlines() if line.startswith('vlamux_training_slots{state="ready"}')]
+    assert ready and float(ready[0].split()[-1]) >= 1
 
 
 def test_disabled_tenant_and_revoked_key_answer_401(svc, world):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from vlamux.store import SLOT_STATES
+
 
 class _Collector:
     def __init__(self, host):
@@ -96,6 +98,13 @@ class _Collector:
         for state in ("queued", "running", "succeeded", "failed", "cancelled"):
             jobs.add_metric([state], counts.get(state, 0))
         yield jobs
+        slots = GaugeMetricFamily("vlamux_training_slots", "Training slots by state", labels=["state"])
+        counts = {}
+        for rec in store.list_slots():
+            counts[rec.state] = counts.get(rec.state, 0) + 1
+        for state in SLOT_STATES:
+            slots.add_metric([state], counts.get(state, 0))
+        yield slots
 
 
 def render(host) -> bytes:

@@ -1,4 +1,4 @@
-"""Persistent store of the tenant-facing service: tenants, API keys, jobs, checkpoints, usage.
+"""Persistent store of the tenant-facing service: tenants, API keys, jobs, training slots, checkpoints, usage.
 
 One short session per call, so any number of server threads can share a
 `Store`. Every method returns frozen dataclasses, never ORM objects.
