@@ -8,8 +8,10 @@ import uuid
 from collections.abc import Callable
 
 from vlamux.api.quotas import Ledger, Need, session_processes
+from vlamux.envs import EnvSpec
 from vlamux.errors import InvalidInputError
 from vlamux.services.contract import Environments
+from vlamux.specs import build
 
 
 class Sessions:
@@ -21,14 +23,15 @@ class Sessions:
 
     def open(self, tenant_id: str, env: dict, n_envs: int, seed: int | None = None) -> dict:
         envs = self._env()
-        check_allowed(env.get("backend", "tabletop"), env.get("task"), env.get("options") or {}, "env", self.gym_envs)
+        spec = build(EnvSpec, env, "env")  # checked once, here, its errors naming the API's fields
+        check_allowed(spec.backend, spec.task, spec.options, "env", self.gym_envs)
         # sessions the Environment Service closed on its own (idle, lost workers) hold nothing any more
         self.ledger.keep_only(tenant_id, "session:", {s["session_id"] for s in envs.list_sessions(tenant_id)})
         pending = f"opening:{uuid.uuid4().hex}"
         need = Need(sessions=1, envs=n_envs, processes=session_processes(n_envs, self.env_workers))
         self._reserve(tenant_id, pending, need, retry_after_s=5.0)
         try:
-            sid = envs.open_session(tenant_id, env, n_envs, seed=seed, n_workers=self.env_workers)
+            sid = envs.open_session(tenant_id, spec, n_envs, seed=seed, n_workers=self.env_workers)
         except BaseException:
             self.ledger.release(tenant_id, pending)
             raise
