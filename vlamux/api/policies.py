@@ -36,10 +36,12 @@ class Policies:
         return self.store.list_checkpoints(rec.tenant_id, job_id=rec.id)
 
     def view(self, tenant_id: str, policy_id: str) -> dict:
-        rec = self._find(tenant_id, policy_id)
+        return self._view(self._find(tenant_id, policy_id))
+
+    def _view(self, rec: JobRecord | SlotRecord) -> dict:
         slot = isinstance(rec, SlotRecord)
         try:
-            version = self.runtime.version(slot_key(tenant_id, policy_id))  # a live slot's
+            version = self.runtime.version(slot_key(rec.tenant_id, rec.id))  # a live slot's
         except UnknownTenantError:
             version = None
         if version is None and not slot:  # an ended job's policy: its newest checkpoint's
@@ -60,7 +62,7 @@ class Policies:
         slots = [r for r in self.store.list_slots(tenant_id)
                  if r.state in ("creating", "ready") or self._checkpoints(r)]
         recs = sorted([*self.store.list_jobs(tenant_id), *slots], key=lambda r: (r.created_at, r.id), reverse=True)
-        return [self.view(tenant_id, r.id) for r in recs]
+        return [self._view(r) for r in recs]
 
     def versions(self, tenant_id: str, policy_id: str) -> dict:
         view = self.view(tenant_id, policy_id)

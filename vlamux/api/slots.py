@@ -16,6 +16,7 @@ from vlamux.api.faults import Conflict, NotFound
 from vlamux.api.futures import Futures
 from vlamux.api.quotas import Need
 from vlamux.errors import InvalidInputError, UnknownTenantError, public_error
+from vlamux.model import HeadSpec, OptimizerSpec
 from vlamux.model.slot_file import read_slot_file
 from vlamux.specs import build
 from vlamux.store import SlotRecord, Store
@@ -52,8 +53,6 @@ class TrainingSlots:
         self._reserve, self._release = reserve, release
 
     def create(self, tenant_id: str, body: dict) -> SlotRecord:
-        from vlamux.model import HeadSpec, OptimizerSpec
-
         if not isinstance(body, dict):
             raise InvalidInputError("body: expected a JSON object")
         unknown = set(body) - set(SLOT_FIELDS)
@@ -106,8 +105,6 @@ class TrainingSlots:
     def restore_all(self) -> None:
         """Training slots come back at their last saved state (what `save_state` promised), or, when
         that state cannot be read back, as failed slots that say why: never at version 0 as if new."""
-        from vlamux.model import HeadSpec, OptimizerSpec
-
         for rec in self.store.live_slots():
             key = slot_key(rec.tenant_id, rec.id)
             self._reserve(rec.tenant_id, f"slot:{rec.id}", Need(slots=1), 0.0, force=True)  # failed or not: it exists

@@ -144,13 +144,13 @@ def check_json(value: Any, arg: str) -> dict[str, Any]:
         raise InvalidInputError(f"{arg} must be JSON-serialisable without NaN/inf: {e}") from None
 
 
-def check_states(states: Iterable[str] | None) -> tuple[str, ...] | None:
+def check_states(states: Iterable[str] | None, allowed: tuple[str, ...] = JOB_STATES) -> tuple[str, ...] | None:
     if states is None:
         return None
     states = (states,) if isinstance(states, str) else tuple(states)
-    bad = [s for s in states if s not in JOB_STATES]
+    bad = [s for s in states if s not in allowed]
     if bad:
-        raise InvalidInputError(f"states must be among {JOB_STATES}, got {bad!r}")
+        raise InvalidInputError(f"states must be among {allowed}, got {bad!r}")
     return states
 
 

@@ -343,14 +343,12 @@ class Store:
 
     def list_slots(self, tenant_id: str | None = None, states: Iterable[str] | None = None) -> list[SlotRecord]:
         """Slots, oldest first; all tenants' when `tenant_id` is None."""
+        states = check_states(states, SLOT_STATES)
         q = select(SlotRow)
         if tenant_id is not None:
             q = q.where(SlotRow.tenant_id == tenant_id)
         if states is not None:
-            bad = [x for x in states if x not in SLOT_STATES]
-            if bad:
-                raise InvalidInputError(f"states must be among {SLOT_STATES}, got {bad!r}")
-            q = q.where(SlotRow.state.in_(tuple(states)))
+            q = q.where(SlotRow.state.in_(states))
         with self._read() as s:
             return [to_slot(r) for r in s.scalars(q.order_by(SlotRow.created_at, SlotRow.id))]
 
@@ -362,6 +360,9 @@ class Store:
         """Stores written before slots had their table kept them as jobs of kind "slot": move them
         over, same id, spec and workdir (their checkpoints name the slot by policy_id, not job_id)."""
         states = {"queued": "creating", "running": "ready", "failed": "failed"}
+        with self._read() as s:  # every start: a read, the write lock only when there is something to move
+            if s.scalar(select(JobRow.id).where(JobRow.kind == "slot").limit(1)) is None:
+                return
         with self._write() as s:
             old = list(s.scalars(select(JobRow).where(JobRow.kind == "slot")))
             if not old:
