@@ -15,7 +15,6 @@ way back, which a cloned policy needs once its own errors take it there.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -24,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from vlamux.data.lerobot_writer import LeRobotWriter
+from vlamux.utils.processes import apply_environ, environ, worker_context
 
 FPS = 10  # the tabletop control rate
 
@@ -88,10 +88,11 @@ def generate(tasks: list[str], episodes_per_task: int, out: str | Path, image_si
     """Write `episodes_per_task` successful expert episodes of each task to a LeRobot dataset at `out`."""
     t0 = time.perf_counter()
     kept, failed = 0, 0
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     with LeRobotWriter(out, FPS, features(image_size, cameras, camera_dtype), robot_type="vlamux-tabletop-cartesian",
                        overwrite=overwrite) as writer, \
-            ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+            ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=apply_environ,
+                                initargs=(environ(),)) as pool:
         for t_i, task in enumerate(tasks):
             need, next_seed = episodes_per_task, seed + t_i * 100_000
             while need > 0:

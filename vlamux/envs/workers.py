@@ -21,14 +21,16 @@ import numpy as np
 
 from vlamux.envs.base import ActionSpace, EnvError, EnvSpec, EnvTimeoutError, EnvWorkerCrashed
 from vlamux.envs.render import configure_gl, gl_choice
+from vlamux.utils.processes import apply_environ, environ, worker_context
 
 log = logging.getLogger(__name__)
 
 
 def _worker_main(conn, spec: EnvSpec, n_envs: int, render_device: int | None = None,
-                 cpus: tuple[int, ...] | None = None) -> None:
+                 cpus: tuple[int, ...] | None = None, env: dict[str, str] | None = None) -> None:
     from vlamux.utils.placement import pin_self
 
+    apply_environ(env)  # the parent's, as it is now (the fork server's is as it was when the server started)
     pin_self(cpus)  # before the simulator starts threads of its own: they inherit it
     _configure_rendering(render_device)
     from vlamux.envs import make_env  # after the GL backend and device are fixed: it may import mujoco
@@ -130,7 +132,7 @@ class VectorEnv:
         self.spec, self.n_envs = spec, n_envs
         self.n_workers = max(1, min(n_envs, n_workers or os.cpu_count() or 1))
         self.timeout_s, self.start_timeout_s = timeout_s, start_timeout_s
-        self._ctx = mp.get_context("spawn")
+        self._ctx = worker_context()
         self._workers: list[_Worker | None] = []
         self._assign: list[list[int]] = []
         self.needs_reset = np.ones(n_envs, dtype=bool)
@@ -170,7 +172,7 @@ class VectorEnv:
     def _start(self, w: int) -> None:
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(target=_worker_main, args=(child, self.spec, len(self._assign[w]), self.render_device,
-                                                            self.cpus),
+                                                            self.cpus, environ()),
                                  daemon=True, name=f"vlamux-env-{w}")
         proc.start()
         child.close()
