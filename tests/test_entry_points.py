@@ -1,7 +1,8 @@
 """Every entry point takes --device and --dtype and they reach the model services: each test asks for
 bfloat16 (not the CPU's default) and reads the dtype back from what was built, not from the flags.
-The benchmarks async_rl and multi_tenant are checked the same way by the device check's dry run
-(tests/test_device_check.py); the main job by tests/test_main_job.py."""
+The benchmarks the device check runs (group_batching, fused_heads, lora_groups, inference_serving,
+async_rl, multi_tenant, vla_groups) are checked the same way by its dry run, each in bfloat16
+(tests/test_device_check.py)."""
 
 import json
 import sys
@@ -94,25 +95,6 @@ def test_demo_refuses_a_device_it_cannot_use(capsys):
     assert e.value.code == 2 and "cuda:9" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("script, argv", [
-    ("group_batching", ["--preset", "tiny", "--grid", "2:1", "--repeats", "1", "--min-seconds", "0"]),
-    ("fused_heads", ["--preset", "tiny", "--grid", "2:1", "--repeats", "1", "--min-seconds", "0"]),
-    ("inference_serving", ["--preset", "tiny", "--sessions", "1,2", "--seconds", "0.3"]),
-])
-def test_benchmarks_build_their_models_as_asked(tmp_path, script, argv):
-    import importlib
-
-    mod = importlib.import_module(script)
-    out = tmp_path / f"{script}.json"
-    assert mod.main([*argv, "--device", "cpu", "--dtype", "bfloat16", "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
-    cells = result if isinstance(result, list) else result.get("cells")
-    if script == "inference_serving":
-        assert result["config"]["dtype"] == "bfloat16"
-    else:
-        assert cells and all(c["dtype"] == "bfloat16" for c in cells)
-
-
 def _private_tempdir(tmp_path, monkeypatch):
     scratch = tmp_path / "scratch"
     scratch.mkdir()
@@ -126,7 +108,8 @@ def test_api_load_benchmark_reads_the_servers_placement(tmp_path, monkeypatch):
 
     scratch = _private_tempdir(tmp_path, monkeypatch)
     out = tmp_path / "api_load.json"
-    api_load.main(["--clients", "1", "--seconds", "1", "--device", "cpu", "--dtype", "bfloat16", "--out", str(out)])
+    api_load.main(["--clients", "1", "--seconds", "1", "--uploads", "1", "--upload-mb", "1", "--watchers", "1",
+                   "--device", "cpu", "--dtype", "bfloat16", "--out", str(out)])
     placement = json.loads(out.read_text())["placement"]
     assert placement["training"] == {"device": "cpu", "dtype": "bfloat16"}
     assert not list(scratch.iterdir())
