@@ -23,11 +23,20 @@ def _no_network(*args, **kwargs):
     raise AssertionError(f"network access attempted: {args[1:] if len(args) > 1 else args}")
 
 
+def _local_only(method):
+    """A socket method that lets a Unix-domain socket through (how the fork server hands out workers)."""
+    def call(sock, *args, **kwargs):
+        if sock.family == socket.AF_UNIX:
+            return method(sock, *args, **kwargs)
+        return _no_network(sock, *args)
+    return call
+
+
 @pytest.fixture(scope="module")
 def offline():
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(socket.socket, "connect", _no_network)
-        mp.setattr(socket.socket, "connect_ex", _no_network)
+        mp.setattr(socket.socket, "connect", _local_only(socket.socket.connect))
+        mp.setattr(socket.socket, "connect_ex", _local_only(socket.socket.connect_ex))
         mp.setattr(socket, "create_connection", _no_network)
         mp.setattr(socket, "getaddrinfo", _no_network)
         yield

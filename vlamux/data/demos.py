@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from vlamux.data.lerobot_writer import LeRobotWriter
-from vlamux.utils.processes import apply_environ, environ, worker_context
+from vlamux.envs.processes import apply_environ, environ, worker_context
+from vlamux.envs.render import configure_gl
 
 FPS = 10  # the tabletop control rate
 
@@ -88,6 +89,7 @@ def generate(tasks: list[str], episodes_per_task: int, out: str | Path, image_si
     """Write `episodes_per_task` successful expert episodes of each task to a LeRobot dataset at `out`."""
     t0 = time.perf_counter()
     kept, failed = 0, 0
+    configure_gl()  # chosen here and exported, so the fork server and the workers render alike
     ctx = worker_context()
     with LeRobotWriter(out, FPS, features(image_size, cameras, camera_dtype), robot_type="vlamux-tabletop-cartesian",
                        overwrite=overwrite) as writer, \

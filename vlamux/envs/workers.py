@@ -21,7 +21,7 @@ import numpy as np
 
 from vlamux.envs.base import ActionSpace, EnvError, EnvSpec, EnvTimeoutError, EnvWorkerCrashed
 from vlamux.envs.render import configure_gl, gl_choice
-from vlamux.utils.processes import apply_environ, environ, worker_context
+from vlamux.envs.processes import apply_environ, environ, worker_context
 
 log = logging.getLogger(__name__)
 

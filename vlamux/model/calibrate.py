@@ -23,7 +23,10 @@ import torch
 DOUBLING_GAIN = 0.03  # a doubling must save at least this fraction of two half-size calls
 MAX_ROWS = 256
 MAX_CALL_S = 0.25  # stop measuring past forwards this long (a budget larger than this is not probed)
-MAX_PROBE_S = 2.0  # and once probing has taken this long
+MAX_PROBE_S = 1.0  # and once probing has taken this long (a GPU probes every size in a fraction of it)
+# timed calls of each size after the probe, the fastest kept (5 chose caps within the same run-to-run
+# spread, 32-64 rows on the tiny backbone here, in twice the time)
+REPEATS = 3
 PROBE_IMAGE_SIZE = 128
 WAIT_STEP_S = 0.01  # a stepped calibration waits this long a step for another probe of the process  # the probe's cameras where the backbone takes any size
 
@@ -61,7 +64,7 @@ def probe_group(backbone, rows: int, seed: int = 0) -> list:
     return out
 
 
-def measure(backbone, lane, max_rows: int = MAX_ROWS, repeats: int = 5, max_call_s: float = MAX_CALL_S
+def measure(backbone, lane, max_rows: int = MAX_ROWS, repeats: int = REPEATS, max_call_s: float = MAX_CALL_S
             ) -> tuple[list[int], list[float]]:
     """Forward seconds at 1, 2, 4, ... rows: the fastest of `repeats` calls, each size's calls
     interleaved with the others' (on a shared machine other work only ever adds time, so the fastest
@@ -70,7 +73,7 @@ def measure(backbone, lane, max_rows: int = MAX_ROWS, repeats: int = 5, max_call
     return _drain(measure_steps(backbone, lane, max_rows, repeats, max_call_s))
 
 
-def measure_steps(backbone, lane, max_rows: int = MAX_ROWS, repeats: int = 5, max_call_s: float = MAX_CALL_S):
+def measure_steps(backbone, lane, max_rows: int = MAX_ROWS, repeats: int = REPEATS, max_call_s: float = MAX_CALL_S):
     """`measure`, one forward a step: a generator that yields after each timed forward (a service serves
     its queued groups in between) and returns (rows, seconds). A forward's time is its own: each is
     waited for before the next step. MAX_PROBE_S bounds the probe's own time (its inputs' making and its

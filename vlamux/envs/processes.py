@@ -1,4 +1,4 @@
-"""Where vlamux's helper processes (simulator workers, demonstration writers) come from: a fork
+"""Where simulator processes (VectorEnv's workers, the demonstration writer's) come from: a fork
 server, started once per process that needs one, instead of a fresh interpreter per worker.
 
 With "spawn" every worker re-imports the parent's main module (a benchmark or `python -m
@@ -18,9 +18,12 @@ import multiprocessing as mp
 import os
 import sys
 
-# Imported once in the server, so workers fork with them loaded (nothing here imports a simulator:
-# MuJoCo reads the GL choice when it is imported, in the worker).
-PRELOAD = ("vlamux.envs.workers",)
+# Imported once in the server, so workers fork with them loaded: the worker loop and the built-in
+# tabletop simulator (MuJoCo and its GL bindings: 0.4 s a worker otherwise). MuJoCo takes its GL
+# backend when it is imported: the env module runs `configure_gl()` first, and the server starts from a
+# process that has chosen already (VectorEnv and the demo writer choose before they ask for workers),
+# so the server's choice is its parent's; a worker's own environment comes with it (`apply_environ`).
+PRELOAD = ("vlamux.envs.workers", "vlamux.envs.tabletop.env")
 
 
 def worker_context() -> mp.context.BaseContext:
