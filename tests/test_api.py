@@ -1069,7 +1069,7 @@ def test_schemathesis_tenant_finds_no_server_error(svc, fuzz_tenant):
             if s["session_id"] != fuzz_tenant.ids["session_id"]:
                 env.close_session(fuzz_tenant.tenant, s["session_id"])
 
-    failures, statuses = _schemathesis_run(svc.app, fuzz_tenant.H, fuzz_tenant.ids, max_examples=25,
+    failures, statuses = _schemathesis_run(svc.app, fuzz_tenant.H, fuzz_tenant.ids, max_examples=15,
                                            after_call=close_new_sessions)
     assert not failures, "\n".join(failures)
     svc.host.meter.tick()  # metering still works for everyone after all that (one failed write loses all rows)
@@ -1083,7 +1083,7 @@ def test_schemathesis_tenant_finds_no_server_error(svc, fuzz_tenant):
 
 def test_schemathesis_admin_finds_no_server_error(svc):
     target, _ = new_tenant(svc, "foxtrot-fuzz")
-    failures, statuses = _schemathesis_run(svc.app, bearer(svc.admin), {"tenant_id": target}, max_examples=25)
+    failures, statuses = _schemathesis_run(svc.app, bearer(svc.admin), {"tenant_id": target}, max_examples=15)
     assert not failures, "\n".join(failures)
     assert 200 in statuses["PUT /v1/tenants/{tenant_id}/quotas"] and 201 in statuses["POST /v1/tenants"], statuses
     ok(svc.client.get("/healthz"))

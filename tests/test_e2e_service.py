@@ -22,6 +22,9 @@ pytestmark = pytest.mark.timeout(600)
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAD = {"kind": "gaussian", "action_dim": 4, "horizon": 4, "state_dim": 8}
+# Long enough that neither job ends before the kill (measured alone: SFT at step 35, RL at 304 env steps
+# when it comes) and short enough that the rest, after the restart, takes seconds
+SFT_STEPS, RL_ENV_STEPS = 150, 800
 
 
 def _port() -> int:
@@ -69,11 +72,11 @@ def test_jobs_survive_a_killed_server(tmp_path, request, store):
         _, key_b = admin.admin.create_tenant("beta")
         alpha, beta = Client(url, key_a), Client(url, key_b)
         sft = alpha.submit({"name": "sft", "kind": "sft", "head": HEAD, "checkpoint_every": 25,
-                            "sft": {"dataset": "tiny", "steps": 400, "batch_size": 8}})
+                            "sft": {"dataset": "tiny", "steps": SFT_STEPS, "batch_size": 8}})
         rl = beta.submit({"name": "rl", "kind": "rl", "head": HEAD, "checkpoint_every": 2,
                           "rl": {"env": {"task": "goal/touch-red-cube", "image_size": 32, "max_steps": 20,
                                          "n_action_steps": 2},
-                                 "env_steps": 1600, "n_envs": 2, "sub_batches": 1, "segment_steps": 8}})
+                                 "env_steps": RL_ENV_STEPS, "n_envs": 2, "sub_batches": 1, "segment_steps": 8}})
         # Mid-job: both have checkpointed, neither has finished.
         _wait_for(lambda: sft.checkpoints() and rl.checkpoints(), 240, "a checkpoint of each job")
         # alpha also steps a simulator by hand: each answered step is usage the service has metered
@@ -115,8 +118,8 @@ def test_jobs_survive_a_killed_server(tmp_path, request, store):
             assert any("restart" in (e["detail"] or "") for e in job.data["events"]), job.data["events"]
         sft, rl = alpha.job(sft.id), beta.job(rl.id)
         # The work finished where the spec said, from the checkpoint rather than from scratch.
-        assert sft.result["sft"]["steps"] == 400
-        assert rl.result["rl"]["env_steps"] >= 1600
+        assert sft.result["sft"]["steps"] == SFT_STEPS
+        assert rl.result["rl"]["env_steps"] >= RL_ENV_STEPS
         for job in (sft, rl):  # every checkpoint recorded before the kill is still there
             assert len(job.checkpoints()) >= len(before[job.id][2])
         # the SFT rows up to its last checkpoint before the kill are as they were; each step has one row
@@ -124,11 +127,11 @@ def test_jobs_survive_a_killed_server(tmp_path, request, store):
         kept = [r for r in rows if r["step"] <= max(c["policy_version"] for c in ckpts)]
         assert kept and sft.metrics()[:len(kept)] == kept
         steps = [r["step"] for r in sft.metrics() if r["phase"] == "sft"]
-        assert steps == list(range(1, 401)), "a step without its row, or with two"
+        assert steps == list(range(1, SFT_STEPS + 1)), "a step without its row, or with two"
         updates = [r["step"] for r in rl.metrics() if r["phase"] == "rl"]
         assert updates == list(range(1, len(updates) + 1)), updates  # one row per RL update, across the restart
         # Resumed from its checkpoint, not from scratch.
-        checkpointed = max(c["policy_version"] for c in sft.checkpoints() if c["policy_version"] <= 400)
+        checkpointed = max(c["policy_version"] for c in sft.checkpoints() if c["policy_version"] <= SFT_STEPS)
         assert checkpointed >= 25
         # usage: at most the last half second before the kill may be missing
         recorded = alpha.usage()[next(iter(usage_before))]["env_steps"]
