@@ -39,6 +39,9 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads per op, the same in both modes")
     ap.add_argument("--demos", type=int, default=None, help="scripted episodes in the SFT dataset")
     ap.add_argument("--backbone", default="tiny", metavar="PRESET_OR_DIR", help="a preset or a model directory")
+    ap.add_argument("--tenants", type=int, default=None, choices=range(2, 5), metavar="{2,3,4}",
+                    help="the workload's first N tenants (default all 4: flow SFT, Gaussian PPO, bins PPO, "
+                         "Gaussian GRPO; the device check's dry run takes 2)")
     ap.add_argument("--demo-cameras", choices=("video", "image"), default="video",
                     help="dataset frames as mp4 (needs PyAV) or PNG")
     ap.add_argument("--placement", choices=("shared", "split", "both"), default="both",
@@ -61,7 +64,7 @@ def main(argv=None) -> int:
     budget = dataclasses.replace(budget, demo_cameras=args.demo_cameras,
                                  **{k: v for k, v in given.items() if v is not None})
     dataset = ensure_demos(budget, args.data)
-    specs = [{**s, "eval": None} for s in job_specs(budget, dataset, args.backbone)]
+    specs = [{**s, "eval": None} for s in job_specs(budget, dataset, args.backbone)][:args.tenants]
     print(f"multi-tenant workload: {len(specs)} tenants ({', '.join(s['tenant'] for s in specs)}); "
           f"SFT {budget.sft_steps} steps, RL warm start {budget.warm_start_steps} steps + {budget.rl_env_steps} "
           f"env steps each; model services on {device} ({dtype_name(dtype)})", flush=True)

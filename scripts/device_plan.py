@@ -104,8 +104,8 @@ def steps() -> list[Step]:
         Step("multi_tenant",
              ["bench/multi_tenant.py", "--sft-steps", "80", "--warm-start-steps", "20", "--rl-env-steps", "600",
               "--demos", "10", "--demo-cameras", "image", "--threads", "4", "--placement", "shared", *gpu],
-             ["bench/multi_tenant.py", "--quick", "--sft-steps", "4", "--warm-start-steps", "2", "--rl-env-steps",
-              "32", "--demos", "2", "--demo-cameras", "image", "--placement", "shared", *cpu], 40, 260,
+             ["bench/multi_tenant.py", "--quick", "--tenants", "2", "--sft-steps", "4", "--warm-start-steps", "2",
+              "--rl-env-steps", "32", "--demos", "2", "--demo-cameras", "image", "--placement", "shared", *cpu], 40, 260,
              "tiny backbone, 3 RL + 1 SFT tenants: one after another (fresh services each) vs together",
              renders=True),
         # imported VLA tenants at SmolVLA's and π0's published sizes (random weights drawn on the GPU, written

@@ -1069,7 +1069,7 @@ def test_schemathesis_tenant_finds_no_server_error(svc, fuzz_tenant):
             if s["session_id"] != fuzz_tenant.ids["session_id"]:
                 env.close_session(fuzz_tenant.tenant, s["session_id"])
 
-    failures, statuses = _schemathesis_run(svc.app, fuzz_tenant.H, fuzz_tenant.ids, max_examples=15,
+    failures, statuses = _schemathesis_run(svc.app, fuzz_tenant.H, fuzz_tenant.ids, max_examples=25,
                                            after_call=close_new_sessions)
     assert not failures, "\n".join(failures)
     svc.host.meter.tick()  # metering still works for everyone after all that (one failed write loses all rows)
