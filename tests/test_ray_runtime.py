@@ -53,7 +53,7 @@ def tiny_config(inference_replicas=2, max_wait_s=0.01, env_node="node_a", group_
     (the module's shared runtime `rt` does, as a service does by default)."""
     return RayRuntimeConfig(backbone=BackboneSpec(preset="tiny"), inference_replicas=inference_replicas,
                             group_cap=group_cap,
-                            torch_threads=2, inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=max_wait_s),
+                            torch_threads=1, inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=max_wait_s),
                             training_actor={"num_cpus": 0.5, "resources": {"node_a": 0.01}},
                             inference_actor={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
                             environment_actor={"num_cpus": 0.5, "resources": {env_node: 0.01}}, **kw)
