@@ -291,7 +291,9 @@ def _rl_curve_with_neighbours(neighbours: int):
     `neighbours` other RL tenants training at the same time on the same services."""
     import threading
 
-    rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset="tiny"),
+    # uncapped groups: a cap learned on a busy machine can be as small as the tenant's own batch, and then
+    # no group has room for a neighbour (a fresh-clone run saw shared == 0)
+    rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset="tiny"), group_cap=None,
                                        inference_queue=InferenceQueueConfig(batch_rows=64, max_wait_s=0.01))).start()
     try:
         rt.create_slot("me", HeadSpec(**HEAD), OptimizerSpec(lr=1e-4), seed=7).result(30)

@@ -23,7 +23,7 @@ import torch
 DOUBLING_GAIN = 0.03  # a doubling must save at least this fraction of two half-size calls
 MAX_ROWS = 256
 MAX_CALL_S = 0.25  # stop measuring past forwards this long (a budget larger than this is not probed)
-MAX_PROBE_S = 1.0  # and once probing has taken this long (a GPU probes every size in a fraction of it)
+MAX_PROBE_S = 2.0  # and once probing has taken this long (a slow or busy CPU reaches fewer sizes in it)
 # timed calls of each size after the probe, the fastest kept (5 chose caps within the same run-to-run
 # spread, 32-64 rows on the tiny backbone here, in twice the time)
 REPEATS = 3
