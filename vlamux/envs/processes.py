@@ -3,9 +3,10 @@ server, started once per process that needs one, instead of a fresh interpreter 
 
 With "spawn" every worker re-imports the parent's main module (a benchmark or `python -m
 vlamux.main_job` imports torch and the whole service: 3 s a worker, 40% of a short multi-tenant run
-on two cores). The fork server imports what the main module and the worker code need once; each worker is a
-fork of it, so starting one costs a fraction of a second. The server forks from a clean process (no threads of
-the parent's), which is why this is safe where a plain fork of a threaded service is not.
+on two cores). The fork server imports what the main module and the worker code need once; each
+worker is a fork of it, so starting one costs a fraction of a second. The server forks from a clean
+process (no threads of the parent's), which is why this is safe where a plain fork of a threaded
+service is not.
 
 The server's environment is the parent's when the server started; a worker gets the parent's
 environment as it is when the worker starts (`environ()` / `apply_environ`), as a spawned one would:
