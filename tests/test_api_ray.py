@@ -29,8 +29,19 @@ def test_routes_and_a_job_on_ray_services(tmp_path):
     demo_dataset(tmp_path / "datasets" / "tiny", 4)
     if ray.is_initialized():
         ray.shutdown()
-    host = ServiceHost(ServiceConfig(data_dir=tmp_path, ray_address="local"))
-    admin = host.start()
+    # A cluster that a killed run left named as this machine's latest: "local" must not try to join it
+    from ray._private.utils import get_ray_address_file, read_ray_address, write_ray_address
+
+    before = read_ray_address()
+    write_ray_address("127.0.0.1:9")
+    try:
+        host = ServiceHost(ServiceConfig(data_dir=tmp_path, ray_address="local"))
+        admin = host.start()
+    finally:
+        if before:
+            write_ray_address(before)
+        else:
+            os.unlink(get_ray_address_file(None))
     try:
         from vlamux.services.contract import Runtime
         from vlamux.services.ray_runtime import RayRuntime

@@ -136,10 +136,11 @@ class ServiceHost:
 
             from vlamux.services.ray_runtime import RayRuntime, RayRuntimeConfig
 
-            if not ray.is_initialized():  # "local": a Ray instance of this process's own
+            if not ray.is_initialized():
                 self._own_ray = True
-                ray.init(address=None if self.config.ray_address == "local" else self.config.ray_address,
-                         include_dashboard=False, log_to_driver=False)
+                # Ray's own "local" starts a new instance; address=None would join whatever cluster
+                # /tmp/ray/ray_current_cluster last named, even a dead one (then init hangs on its GCS)
+                ray.init(address=self.config.ray_address, include_dashboard=False, log_to_driver=False)
             return RayRuntime(RayRuntimeConfig(**self._placement(), environment=env)).start()
         from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
 
