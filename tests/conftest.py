@@ -54,6 +54,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under --dist loadgroup every id a worker collected must carry its group, or each test is a group
+    of its own and module fixtures are built on both workers, silently (pytest 9.2 with pytest-xdist 3.8)."""
+    if node.config.getoption("dist") == "loadgroup" and any("@" not in i for i in ids):
+        pytest.exit(f"pytest {pytest.__version__} lost pytest-xdist's group suffix from the node ids (--dist "
+                    "loadgroup would not group the tests); see the pin on pytest in pyproject.toml", returncode=4)
+
+
 @pytest.fixture(scope="session")
 def backbone():
     return build_backbone(BackboneSpec(preset="tiny", seed=0))
