@@ -5,6 +5,7 @@ async_rl, multi_tenant, vla_groups) are checked the same way by its dry run, eac
 (tests/test_device_check.py)."""
 
 import json
+import multiprocessing.util
 import sys
 import tempfile
 from pathlib import Path
@@ -96,6 +97,10 @@ def test_demo_refuses_a_device_it_cannot_use(capsys):
 
 
 def _private_tempdir(tmp_path, monkeypatch):
+    # multiprocessing keeps one directory a process for its sockets, made on first use under the temp
+    # dir of that moment and kept: made under this long scratch path, the fork server's socket path
+    # would pass the 108-byte limit for every later test in this worker process
+    multiprocessing.util.get_temp_dir()
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
