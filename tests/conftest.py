@@ -18,12 +18,11 @@ TENANTS = {
 
 # How `make test` spreads the files over its workers (--dist loadgroup --no-loadscope-reorder): each
 # file is one group, so its module fixtures are built once; the files that start a Ray instance share
-# one group (one instance at a time; they run in the serial phase: under a neighbour their kill and
-# restart waits stretched 2.5-fold); the two stores' end-to-end runs are a group each.
+# one group (one instance at a time, on one worker); the two stores' end-to-end runs are a group each.
 # Groups go out in this order, the longest first (worker-seconds measured in a run of the suite,
 # docs/plans/suite-speed.md), so that no long file starts last while the other worker idles; the rest
 # follow in collection order.
-LONGEST_FIRST = ("test_device_check", "test_main_job", "test_e2e_service[postgresql]", "test_e2e_service[sqlite]",
+LONGEST_FIRST = ("test_device_check", "ray", "test_main_job", "test_e2e_service[postgresql]", "test_e2e_service[sqlite]",
                  "test_hf_services", "test_entry_points", "test_api", "test_abuse", "test_dashboard",
                  "test_env_libero", "test_lora", "test_workflows", "test_e2e_tenant_data", "test_fused",
                  "test_calibrate", "test_served_isolation", "test_job_events", "test_dataset_paths",

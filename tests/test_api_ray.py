@@ -17,7 +17,6 @@ from vlamux import wire  # noqa: E402
 from vlamux.api.app import create_app  # noqa: E402
 from vlamux.api.host import ServiceConfig, ServiceHost  # noqa: E402
 
-pytestmark = pytest.mark.serial  # a Ray instance beside another test file's work: as test_ray_runtime
 
 HEAD = {"kind": "gaussian", "action_dim": 4, "horizon": 4, "state_dim": 8}
 MSGPACK = {"content-type": wire.CONTENT_TYPE}
