@@ -14,7 +14,6 @@ from vlamux.model import BackboneSpec, OptimizerSpec
 from vlamux.services.queues import InferenceQueueConfig
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
 
-pytestmark = pytest.mark.serial  # a Health Manager that counts an engine silent for 1 s as hung
 
 
 def wait_for(cond, timeout=20.0):
@@ -26,15 +25,29 @@ def wait_for(cond, timeout=20.0):
     return False
 
 
-@pytest.fixture
-def runtime():
+def started(hung_after_s: float) -> EmbeddedRuntime:
     cfg = RuntimeConfig(backbone=BackboneSpec(preset="tiny"), inference_replicas=2,
                         inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.005),
-                        health_interval_s=0.1, hung_after_s=1.0, env_check_every_s=0.2)
+                        health_interval_s=0.1, hung_after_s=hung_after_s, env_check_every_s=0.2)
     rt = EmbeddedRuntime(cfg).start()
     for i, (name, (spec, _)) in enumerate(TENANTS.items()):
         rt.create_slot(name, spec, OptimizerSpec(lr=1e-3), seed=i).result(30)
     assert rt.publisher.flush(10)
+    return rt
+
+
+@pytest.fixture
+def runtime():
+    """An engine silent for 10 s counts as hung: the crashes below end their threads, which the Health
+    Manager sees at once, and a busy neighbour's stalls never make a healthy engine look hung."""
+    rt = started(hung_after_s=10.0)
+    yield rt
+    rt.stop()
+
+
+@pytest.fixture
+def runtime_hung_after_1s():
+    rt = started(hung_after_s=1.0)
     yield rt
     rt.stop()
 
@@ -85,7 +98,9 @@ def test_killed_inference_replica_is_restarted_and_requests_keep_succeeding(runt
     assert runtime.replicas["inference-0"].policy_version("acme") == runtime.training.version("acme")
 
 
-def test_hung_inference_replica_is_replaced(runtime):
+@pytest.mark.serial  # silent for 1 s counts as hung: beside a neighbour a healthy engine could stall that long
+def test_hung_inference_replica_is_replaced(runtime_hung_after_1s):
+    runtime = runtime_hung_after_1s
     victim = runtime.replicas["inference-1"]
     release = threading.Event()
     victim.run_once = lambda timeout=None: release.wait(30)  # a stuck model call
