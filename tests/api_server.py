@@ -49,6 +49,7 @@ def running_server(tmp_path: Path, **config):
 
     from vlamux.api.app import create_app
 
+    config.setdefault("group_cap", None)  # as tests/conftest.py makes `vlamux serve`'s default: no timing at start
     host = ServiceHost(ServiceConfig(data_dir=Path(tmp_path), **config))
     admin_key = host.start()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

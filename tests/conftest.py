@@ -1,8 +1,15 @@
+import os
+
 import pytest
 import torch
 
 from vlamux.model import BackboneSpec, HeadSpec, ModelRunner, OptimizerSpec, build_backbone
 from vlamux.model.synthetic import TaskProfile, make_batch
+
+# The servers the tests start (`vlamux serve` children, tests/api_server.py's in-process ones) skip the
+# group-cap calibration at start, a second or two of timed forwards a service: only the tests about the
+# caps ask for it (test_calibrate), and the suite starts dozens of servers.
+os.environ.setdefault("VLAMUX_GROUP_CAP", "none")
 
 # Four tenants that differ in head, action/state dims, horizon, camera count, image size and phrasing.
 TENANTS = {

@@ -118,7 +118,7 @@ def test_the_api_and_cli_show_the_cap_and_the_admin_can_measure_again(tmp_path):
     from vlamux.cli import main
     from vlamux.sdk import Client
 
-    with running_server(tmp_path / "svc") as (url, admin_key, host):
+    with running_server(tmp_path / "svc", group_cap="learned") as (url, admin_key, host):
         _, key = Client(url, admin_key).admin.create_tenant("caps")
         listed = httpx.get(f"{url}/v1/backbones", headers={"Authorization": f"Bearer {key}"}).json()["backbones"]
         cap = listed[0]["group_caps"]["training"]["rows"]

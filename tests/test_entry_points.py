@@ -23,11 +23,12 @@ def test_serve_places_the_services_as_asked(tmp_path):
     from vlamux.api.host import ServiceHost
     from vlamux.cli.server import serve_config
 
-    config = serve_config(tmp_path, "tiny", "cpu", "bfloat16", "cpu", "cpu,cpu", 2, None, None, 8.0)
+    config = serve_config(tmp_path, "tiny", "cpu", "bfloat16", "cpu", "cpu,cpu", 2, None, None, 8.0, group_cap=None)
     assert config.inference_devices == ("cpu", "cpu") and config.inference_replicas == 2
     host = ServiceHost(config)
     host.start()
     try:
+        assert host.runtime.describe_backbones()[0]["group_caps"] == {}  # --group-cap none: nothing timed
         m = host.runtime.metrics()
         assert (m["training"]["device"], m["training"]["dtype"]) == ("cpu", "bfloat16")
         assert [(r["device"], r["dtype"]) for r in m["inference"].values()] == [("cpu", "bfloat16")] * 2
@@ -41,7 +42,8 @@ def test_serve_places_the_services_as_asked(tmp_path):
 
 
 @pytest.mark.parametrize("args, hint", [(["--device", "cuda:7"], "--device"), (["--dtype", "float16"], "--dtype"),
-                                        (["--inference-devices", "cpu,quantum"], "--inference-devices")])
+                                        (["--inference-devices", "cpu,quantum"], "--inference-devices"),
+                                        (["--group-cap", "sometimes"], "--group-cap")])
 def test_serve_refuses_a_placement_this_machine_cannot_run(tmp_path, args, hint):
     from vlamux.cli import main
 

@@ -29,6 +29,10 @@ import click
               help="Inference replicas' devices, replica i on the i-th (cycled; default: --device).")
 @click.option("--inference-replicas", type=click.IntRange(1, 64), default=1, show_default=True,
               help="Inference Model Service replicas.")
+@click.option("--group-cap", type=click.Choice(["learned", "none"]), default="learned", show_default=True,
+              envvar="VLAMUX_GROUP_CAP",
+              help="Cap on a group's rows: learned by timing each backbone at start (a second or two "
+                   "a service), or none beyond the queues' batch rows (env VLAMUX_GROUP_CAP).")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="Place the services on this Ray cluster ('auto', 'ray://host:10001'; 'local' starts one in-process).")
 @click.option("--store-url", default=None, help="SQLAlchemy URL of the store (default: sqlite in --data-dir).")
@@ -41,10 +45,11 @@ import click
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
 def serve(host, port, data_dir, backbone, extra_backbones, vlm, device, dtype, training_device, inference_devices,
-          inference_replicas, ray_address, store_url, admin_key, max_body_mb, gym_envs, log_level) -> None:
+          inference_replicas, group_cap, ray_address, store_url, admin_key, max_body_mb, gym_envs, log_level) -> None:
     """Run the services and the HTTP API until interrupted (embedded runtime unless --ray)."""
     config = serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
-                          ray_address, store_url, max_body_mb, extra_backbones, gym_envs, vlm)
+                          ray_address, store_url, max_body_mb, extra_backbones, gym_envs, vlm,
+                          group_cap=None if group_cap == "none" else group_cap)
     from vlamux.api.server import serve as run
 
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -52,7 +57,7 @@ def serve(host, port, data_dir, backbone, extra_backbones, vlm, device, dtype, t
 
 
 def serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
-                 ray_address, store_url, max_body_mb, extra_backbones=(), gym_envs=(), vlm=None):
+                 ray_address, store_url, max_body_mb, extra_backbones=(), gym_envs=(), vlm=None, group_cap="learned"):
     """`vlamux serve`'s options as a ServiceConfig; a device or dtype this machine cannot run is a usage
     error now, not a failure after start-up (on Ray, devices are the actors' and checked there)."""
     from vlamux.api.host import ServiceConfig
@@ -85,5 +90,5 @@ def serve_config(data_dir, backbone, device, dtype, training_device, inference_d
     return ServiceConfig(data_dir=data_dir, store_url=store_url, backbone=backbone,
                          extra_backbones=tuple(extra_backbones), vlm=vlm, device=device, dtype=dtype,
                          training_device=training_device, inference_devices=devices,
-                         inference_replicas=inference_replicas, ray_address=ray_address, max_body_mb=max_body_mb,
-                         gym_envs=allowed)
+                         inference_replicas=inference_replicas, group_cap=group_cap, ray_address=ray_address,
+                         max_body_mb=max_body_mb, gym_envs=allowed)
