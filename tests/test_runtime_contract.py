@@ -85,7 +85,10 @@ def environment_faces():
 
 
 def _params(fn) -> list[tuple]:
-    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+    # Ray adds `_ray_trace_ctx` to the signatures of a class's methods, in place, once the class has been
+    # made an actor in this process (the Ray tests may have run before, in this worker)
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()
+            if p.name != "_ray_trace_ctx"]
 
 
 @pytest.mark.parametrize("cls", environment_faces(), ids=lambda c: c.__name__)
