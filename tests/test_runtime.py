@@ -15,7 +15,6 @@ from vlamux.services.queues import InferenceQueueConfig
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
 
 
-
 def wait_for(cond, timeout=20.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
