@@ -83,6 +83,13 @@ def _css(driver, selector: str):
     return driver.find_element("css selector", selector)
 
 
+def _attr(driver, selector: str, name: str) -> str | None:
+    """An attribute read in the page in one step: the charts are redrawn on every refresh, so a node found
+    first and read after may already have been replaced (a stale element)."""
+    return driver.execute_script("const n = document.querySelector(arguments[0]);"
+                                 "return n && n.getAttribute(arguments[1]);", selector, name)
+
+
 def _visible_text(driver, selector: str) -> str:
     node = _css(driver, selector)
     return node.text if node.is_displayed() else ""
@@ -118,9 +125,9 @@ def test_dashboard_in_a_browser(service, browser):
 
     # the learning curve: pushed by the job's event stream when the page saw the job live, polled when it
     # first saw it ended (the job may finish between two refreshes); either way every row drawn once
-    loss = _css(browser, "#loss-chart")
-    _wait(browser, f"{STEPS} points on the loss curve", lambda: loss.get_attribute("data-points") == str(STEPS))
-    assert _css(browser, "#loss-chart path.series").get_attribute("d").count("L") == STEPS - 1
+    _wait(browser, f"{STEPS} points on the loss curve",
+          lambda: _attr(browser, "#loss-chart", "data-points") == str(STEPS))
+    assert _attr(browser, "#loss-chart path.series", "d").count("L") == STEPS - 1
     def fetched():  # a stream's resource entry appears once it has ended (at the job's `end` event)
         return browser.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
 
@@ -129,7 +136,7 @@ def test_dashboard_in_a_browser(service, browser):
     since = [int(u.rsplit("=", 1)[1]) for u in fetched() if f"/v1/jobs/{job_id}/metrics?since=" in u]
     assert since == sorted(since) and (not since or since[-1] <= STEPS), since
     assert "Learning curve · t" in _css(browser, "#curve-title").text
-    assert _css(browser, "#success-chart").get_attribute("data-points") == "0"
+    assert _attr(browser, "#success-chart", "data-points") == "0"
     assert "no environment steps" in _css(browser, "#success-chart").text
     _wait(browser, "the job's result", lambda: "final SFT loss" in _css(browser, "#job-detail").text)
 
@@ -159,7 +166,7 @@ def test_dashboard_in_a_browser(service, browser):
                 lambda: _css(browser, '#util .util-row[data-service="training"] .pct').text)
     assert re.fullmatch(r"\d+\.\d %", pct) and float(pct.split()[0]) > 0, pct
     assert _css(browser, '#admin-cards [data-kind="jobs_done"] .value').text == "1"
-    _wait(browser, "the utilisation chart", lambda: int(_css(browser, "#util-chart").get_attribute("data-points")) > 0)
+    _wait(browser, "the utilisation chart", lambda: int(_attr(browser, "#util-chart", "data-points")) > 0)
     assert "training" in _css(browser, "#queues-table tbody").text
 
     # ---- a bad key: a clear error, no data ------------------------------------------------------
