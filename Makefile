@@ -6,14 +6,16 @@ PY := $(VENV)/bin/python
 # Where this machine keeps a CPU build of torch on disk, use it; elsewhere pip takes torch from the index.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 TORCH_PIN ?= torch==2.13.0
-# Packages go in with uv (installed into the venv by pip first): it unpacks and byte-compiles in
-# parallel, and the set-up took 58 s instead of pip's 150 here. No cache: the set-up writes about 4.5 GB
-# into the venv, and a cache would hold the same wheels again (CI's disk is not always that large).
-# Wheels are byte-compiled at install: where PYTHONDONTWRITEBYTECODE is set, as on this machine, nothing
-# compiled later is kept, and every test process would compile torch again on import (the suite ran 6
-# minutes longer).
+# Packages go in with uv (installed into the venv by pip first): it unpacks in parallel, and the set-up
+# took 58 s instead of pip's 150 here. No cache: the set-up writes about 4.5 GB into the venv, and a
+# cache would hold the same wheels again (CI's disk is not always that large).
+# Nothing is byte-compiled at install (compiling all 24,000 modules of the venv took 118 CPU-s, most of
+# the set-up): a module is compiled the first time a process imports it and kept, which needs bytecode
+# to be written. PYTHONDONTWRITEBYTECODE, set on some machines (this one), would have every test
+# process compile torch again on import (the suite ran 6 minutes longer): make's recipes run without it.
 UV_PIN ?= uv==0.13.9
-UV = $(PY) -m uv pip install -q --python $(PY) --compile-bytecode $(FIND_LINKS)
+UV = $(PY) -m uv pip install -q --python $(PY) $(FIND_LINKS)
+unexport PYTHONDONTWRITEBYTECODE
 export PIP_NO_CACHE_DIR := 1
 export UV_NO_CACHE := 1
 

