@@ -6,7 +6,8 @@ sized for the device lease (15 minutes: the machine's start, this command, and o
     python scripts/device_check.py [--out-dir DIR] [--budget-s 315] [--only a,b]   # on a GPU machine
     python scripts/device_check.py --dry-run [--out-dir DIR]   # every step on the CPU, tiny
 
-Each step is a subprocess (and process group) with its own time limit; the limits add up to less
+Each step is a process (and process group) of its own with its own time limit (a fresh interpreter
+on the GPU; the dry run forks it from this process, scripts/step_process.py); the limits add up to less
 than the budget (`--plan` prints them, with the grid each step runs on the GPU). A failed or
 timed-out step is recorded and the next one runs; steps are skipped, and say so, once the budget is
 spent. Every benchmark writes its result file as its cells finish (bench/common.py's ResultFile:
@@ -44,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from device_plan import (BUDGET_S, COMMAND_MAX_S, DRY_BUDGET_S, DRY_GL_PROBE_S, GL_PROBE_S, MERGED, MODES,  # noqa: E402, F401
                          SKIP_UNDER_S, Step, plan, planned_cells, print_plan, steps)
+from step_process import StepProcess, preload  # noqa: E402
 
 
 def _step_env(gl_env: dict | None = None) -> dict:
@@ -120,19 +122,14 @@ def run_step(step: Step, dry: bool, work: Path, model: Path, timeout_s: float, l
     log.flush()
     t0 = time.monotonic()
     # a session of its own: on a timeout its simulator workers go with it, not into the next step
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = StepProcess(argv, ROOT, env, fork=dry)
     try:
-        output, _ = proc.communicate(timeout=timeout_s)
-        status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        status = f"timed out after {timeout_s:.0f}s"
+        code, output = proc.finish(timeout_s)
     except BaseException:  # the check itself is stopped: the step's process group goes with it
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        proc.kill()
         raise
+    status = (f"timed out after {timeout_s:.0f}s" if code is None else "ok" if code == 0
+              else f"failed (exit {code})")
     wall = time.monotonic() - t0
     log.write(output)
     log.write(f"----- {step.name}: {status} in {wall:.1f}s\n")
@@ -293,6 +290,8 @@ def main(argv=None) -> int:
             print("device_check: no CUDA device here; use --dry-run to check the script on a CPU", file=sys.stderr)
             return 2
     t0, runs, gl = time.monotonic(), {}, None
+    if args.dry_run:
+        preload()  # each step forks from here (scripts/step_process.py)
     print(f"device check{' (dry run)' if args.dry_run else ''}: {len(chosen)} steps, budget {budget:.0f}s, "
           f"results in {out_dir}", flush=True)
     work = Path(tempfile.mkdtemp(prefix="vlamux-device-check-"))

@@ -202,3 +202,34 @@ def test_device_check_refuses_to_run_for_real_without_a_gpu(tmp_path):
     proc = subprocess.run([sys.executable, "scripts/device_check.py", "--out-dir", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--dry-run" in proc.stderr
+
+
+def test_a_gpu_step_is_a_fresh_process_killed_with_its_group_at_its_limit(tmp_path):
+    """On a GPU each step is a fresh interpreter (the dry run forks them, tested above): its output and
+    exit code come back, and at its limit it is killed with the processes it started."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        from step_process import StepProcess
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    done = StepProcess([sys.executable, "-c", "print('out'); import sys; sys.exit(3)"], tmp_path, dict(os.environ),
+                       fork=False)
+    assert done.finish(30) == (3, "out\n")
+    pid_file = tmp_path / "child.pid"
+    hangs = ("import subprocess, sys, time; c = subprocess.Popen([sys.executable, '-c', 'import time; "
+             f"time.sleep(600)']); open({str(pid_file)!r}, 'w').write(str(c.pid)); print('started', flush=True); "
+             "time.sleep(600)")
+    step = StepProcess([sys.executable, "-c", hangs], tmp_path, dict(os.environ), fork=False)
+    t0 = time.monotonic()
+    code, output = step.finish(8)  # a busy neighbour may slow its start: "started" comes well before
+    assert code is None and output == "started\n" and time.monotonic() - t0 < 30
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the step's own child outlived it")
