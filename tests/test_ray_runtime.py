@@ -1,7 +1,6 @@
 """The services as Ray actors on a local multi-node cluster (Ray's own cluster_utils on this machine)."""
 
 import os
-import signal
 import threading
 import time
 
@@ -19,6 +18,8 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from conftest import (TENANTS, chunks_while_training, light_latency_alone_and_flooded, make_runner,  # noqa: E402
                       tenant_batches)
+from runtime_cases import (Roles, killed_environment_worker_is_replaced, killed_inference_replica_restarts,  # noqa: E402
+                           replicas_added_and_removed_under_load)
 from vlamux.envs import EnvSpec  # noqa: E402
 from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, OptimizerSpec, Sample  # noqa: E402
 from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
@@ -142,18 +143,14 @@ def test_data_plane_moves_by_reference(rt):
     rt.environment.close_session("robot", sid)
 
 
+# a replica killed as a crash would (Ray restarts the actor; the Health Manager restores its tenants)
+ROLES = Roles(kill_replica=lambda rt, name: ray.kill(rt.replicas[name], no_restart=False),
+              replica_version=lambda rt, name, tenant: ray.get(rt.replicas[name].policy_version.remote(tenant)),
+              timeout_s=90.0)
+
+
 def test_killed_inference_replica_restarts_and_requests_keep_succeeding(rt):
-    obs, _ = tenant_batches(batch=1)["bolt"]
-    name = next(iter(rt.replicas))
-    ray.kill(rt.replicas[name], no_restart=False)
-    results = [rt.predict("bolt", obs, deterministic=True) for _ in range(10)]
-    assert all(f.result(120)["actions"].shape == (1, 6, 3) for f in results)
-    deadline = time.monotonic() + 60
-    while rt.health.roles[name].restarts < 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert rt.health.roles[name].restarts >= 1
-    version = ray.get(rt.replicas[name].policy_version.remote("bolt"))
-    assert version == rt.version("bolt")  # its tenants were restored
+    killed_inference_replica_restarts(rt, ROLES)
 
 
 def test_killed_training_role_restarts_with_its_tenants(rt, tmp_path):
@@ -186,30 +183,11 @@ def test_killed_training_role_restarts_with_its_tenants(rt, tmp_path):
 
 
 def test_elastic_add_and_remove(rt):
-    obs, _ = tenant_batches(batch=1)["delta"]
-    name = rt.add_inference_replica()
-    futures = [rt.predict("delta", obs) for _ in range(6)]
-    for old in [n for n in rt.replicas if n != name]:
-        rt.remove_inference_replica(old)
-    futures += [rt.predict("delta", obs) for _ in range(6)]
-    assert all(f.result(120)["actions"].shape == (1, 4, 5) for f in futures)
-    assert list(rt.replicas) == [name]
+    replicas_added_and_removed_under_load(rt, ROLES.timeout_s)
 
 
 def test_killed_environment_worker_is_replaced(rt):
-    spec = EnvSpec(task="goal/touch-red-cube", image_size=16)
-    sid = rt.environment.open_session("acme", spec, 1, 0, 1)
-    rt.environment.reset("acme", sid, 0)
-    pid = rt.environment.worker_pids("acme", sid)[0]
-    os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    while rt.health.env_replacements < 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert rt.health.env_replacements >= 1
-    assert rt.environment.worker_pids("acme", sid)[0] not in (pid, None)
-    rt.environment.reset("acme", sid, 1)
-    rt.environment.step("acme", sid, np.zeros((1, 4), np.float32))
-    rt.environment.close_session("acme", sid)
+    killed_environment_worker_is_replaced(rt, 60.0)
 
 
 def test_versions_switch_atomically_across_the_cluster(rt):

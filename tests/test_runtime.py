@@ -1,7 +1,5 @@
 """The embedded runtime with its Health Manager: restarts in place, elastic replicas, nothing dropped."""
 
-import os
-import signal
 import threading
 import time
 
@@ -9,19 +7,11 @@ import pytest
 import torch
 
 from conftest import TENANTS, tenant_batches
-from vlamux.envs import EnvSpec
+from runtime_cases import (Clients, Roles, killed_environment_worker_is_replaced, killed_inference_replica_restarts,
+                           replicas_added_and_removed_under_load, wait_for)
 from vlamux.model import BackboneSpec, OptimizerSpec
 from vlamux.services.queues import InferenceQueueConfig
 from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
-
-
-def wait_for(cond, timeout=20.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def started(hung_after_s: float) -> EmbeddedRuntime:
@@ -51,50 +41,20 @@ def runtime_hung_after_1s():
     rt.stop()
 
 
-class Clients:
-    """Every tenant sends action requests in a loop from its own thread; counts successes and errors."""
-
-    def __init__(self, rt, tenants):
-        data = tenant_batches(batch=1)
-        self.ok, self.errors, self.stop = {t: 0 for t in tenants}, [], threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(rt, t, data[t][0])) for t in tenants]
-
-    def _run(self, rt, tenant, obs):
-        while not self.stop.is_set():
-            try:
-                rt.predict(tenant, obs, deterministic=True).result(30)
-                self.ok[tenant] += 1
-            except Exception as e:  # noqa: BLE001
-                self.errors.append((tenant, repr(e)))
-
-    def __enter__(self):
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop.set()
-        for t in self.threads:
-            t.join()
-
-
 def crash(service):
     """What an unhandled error in the engine thread does: the thread ends, the queue is left as it is."""
     service._running = False
     service._thread.join(5)
 
 
+ROLES = Roles(kill_replica=lambda rt, name: crash(rt.replicas[name]),
+              replica_version=lambda rt, name, tenant: rt.replicas[name].policy_version(tenant), timeout_s=20.0)
+
+
 def test_killed_inference_replica_is_restarted_and_requests_keep_succeeding(runtime):
-    with Clients(runtime, list(TENANTS)) as c:
-        time.sleep(0.3)
-        victim = runtime.replicas["inference-0"]
-        crash(victim)
-        assert wait_for(lambda: runtime.replicas["inference-0"] is not victim and runtime.replicas["inference-0"].alive())
-        before = dict(c.ok)
-        assert wait_for(lambda: all(c.ok[t] > before[t] + 3 for t in TENANTS))
-    assert c.errors == []
-    assert runtime.health.roles["inference-0"].restarts == 1 and runtime.health.roles["inference-1"].restarts == 0
-    assert runtime.replicas["inference-0"].policy_version("acme") == runtime.training.version("acme")
+    victim = runtime.replicas["inference-0"]
+    killed_inference_replica_restarts(runtime, ROLES)
+    assert runtime.replicas["inference-0"] is not victim and runtime.replicas["inference-0"].alive()
 
 
 @pytest.mark.serial  # silent for 1 s counts as hung: beside a neighbour a healthy engine could stall that long
@@ -104,7 +64,7 @@ def test_hung_inference_replica_is_replaced(runtime_hung_after_1s):
     release = threading.Event()
     victim.run_once = lambda timeout=None: release.wait(30)  # a stuck model call
     with Clients(runtime, ["acme", "delta"]) as c:
-        assert wait_for(lambda: runtime.replicas["inference-1"] is not victim, timeout=15)
+        assert wait_for(lambda: runtime.replicas["inference-1"] is not victim, 15)
         before = dict(c.ok)
         assert wait_for(lambda: all(c.ok[t] > before[t] + 3 for t in ["acme", "delta"]))
     release.set()
@@ -142,30 +102,8 @@ def test_killed_training_role_comes_back_with_its_tenants(runtime, tmp_path):
 
 
 def test_killed_environment_worker_is_replaced_by_the_health_manager(runtime):
-    env = runtime.environment
-    spec = EnvSpec(task="goal/touch-red-cube", image_size=16)
-    mine = env.open_session("acme", spec, n_envs=1, n_workers=1)
-    theirs = env.open_session("bolt", spec, n_envs=1, n_workers=1)
-    env.reset("acme", mine, seed=0)
-    env.reset("bolt", theirs, seed=0)
-    pid = env.worker_pids("acme", mine)[0]
-    os.kill(pid, signal.SIGKILL)
-    assert wait_for(lambda: runtime.health.env_replacements >= 1, timeout=15)
-    assert env.worker_pids("acme", mine)[0] not in (pid, None)
-    env.step("bolt", theirs, [[0.0, 0.0, 0.0, 0.0]])  # the other tenant never noticed
-    env.reset("acme", mine, seed=1)
-    env.step("acme", mine, [[0.0, 0.0, 0.0, 0.0]])
+    killed_environment_worker_is_replaced(runtime, 15.0)
 
 
 def test_elastic_replicas_added_and_removed_under_load(runtime):
-    with Clients(runtime, list(TENANTS)) as c:
-        time.sleep(0.2)
-        name = runtime.add_inference_replica()
-        assert wait_for(lambda: runtime.replicas[name].queue.stats.groups > 0)
-        runtime.remove_inference_replica("inference-0")
-        runtime.remove_inference_replica("inference-1")
-        before = dict(c.ok)
-        assert wait_for(lambda: all(c.ok[t] > before[t] + 3 for t in TENANTS))
-    assert c.errors == [] and list(runtime.replicas) == [name]
-    with pytest.raises(ValueError, match="last inference replica"):
-        runtime.remove_inference_replica(name)
+    replicas_added_and_removed_under_load(runtime, 20.0)
