@@ -26,12 +26,12 @@ class Roles:
     timeout_s: float  # a restart's bound there: an engine thread, or a new actor process beside a neighbour
 
 
-def wait_for(cond, timeout_s: float = 20.0) -> bool:
+def wait_for(cond, timeout_s: float = 20.0, every_s: float = 0.05) -> bool:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if cond():
             return True
-        time.sleep(0.05)
+        time.sleep(every_s)
     return False
 
 
@@ -127,7 +127,8 @@ def replicas_added_and_removed_under_load(rt, timeout_s: float) -> None:
     with Clients(rt, list(TENANTS), timeout_s) as c:
         assert c.serving(timeout_s)
         name = rt.add_inference_replica()
-        assert wait_for(lambda: rt.metrics()["inference"][name]["queue"]["groups"] > 0, timeout_s)
+        # every 0.5 s: on Ray each look asks every actor for its metrics, which slowed the new replica's start
+        assert wait_for(lambda: rt.metrics()["inference"][name]["queue"]["groups"] > 0, timeout_s, every_s=0.5)
         for old in [n for n in rt.replica_names() if n != name]:
             rt.remove_inference_replica(old)
         assert c.more(3, timeout_s)
