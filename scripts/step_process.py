@@ -41,7 +41,11 @@ class StepProcess:
 
     def __init__(self, argv: list[str], cwd: Path, env: dict, fork: bool):
         if fork:
-            (self.pid, self.fd), self._popen = _fork(argv, cwd, env), None
+            self.fd, write = os.pipe()
+            try:
+                self.pid, self._popen = fork_python(argv, cwd, env, write), None
+            finally:
+                os.close(write)
         else:
             self._popen = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, start_new_session=True)
@@ -80,38 +84,34 @@ class StepProcess:
         return (None if timed_out else code), b"".join(chunks).decode(errors="replace")
 
 
-def _fork(argv: list[str], cwd: Path, env: dict) -> tuple[int, int]:
-    """(pid, the read end of its output); `argv` is `[python, script, args...]` or `[python, "-m",
-    module, args...]`."""
-    read, write = os.pipe()
+def fork_python(argv: list[str], cwd: Path, env: dict, out: int) -> int:
+    """Fork `argv` (`[python, script, args...]` or `[python, "-m", module, args...]`) from this process,
+    in a new session, its stdin from /dev/null and its stdout and stderr to the descriptor `out`; its pid."""
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid:
-        os.close(write)
-        return pid, read
+        return pid
     code = 1
     try:
-        os.close(read)
         os.setsid()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the check's own handler is not the step's
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the parent's own handler is not the child's
         signal.signal(signal.SIGINT, signal.default_int_handler)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
-        os.dup2(write, 1)
-        os.dup2(write, 2)
-        os.close(write)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
         code = _run(argv[1:], cwd, env)
-    except BaseException:  # noqa: BLE001 - the child reports and leaves; it never returns into the check
+    except BaseException:  # noqa: BLE001 - the child reports and leaves; it never returns into the parent
         traceback.print_exc()
     finally:
         try:
-            atexit._run_exitfuncs()  # as the interpreter's exit would: what the step registered (its pools)
+            atexit._run_exitfuncs()  # as the interpreter's exit would: what the child registered (its pools)
             sys.stdout.flush()
             sys.stderr.flush()
         finally:

@@ -25,13 +25,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def spawn(data_dir, port: int, **kw):
+    """`vlamux.sdk.process.spawn`, forked from this test process's preloaded zygote (tests/zygote.py):
+    a real server process without a fresh interpreter's imports."""
+    from vlamux.sdk.process import spawn
+    from zygote import popen
+
+    return spawn(data_dir, port, popen=popen, **kw)
+
+
 @contextlib.contextmanager
 def served(data_dir: Path, log: Path | None = None, extra_args=()):
     """`vlamux serve` on `data_dir` as a child process (one torch thread, its output in `log`), stopped
     on the way out. Yields ``(url, admin_key, proc)``."""
     import os
 
-    from vlamux.sdk.process import spawn, stop
+    from vlamux.sdk.process import stop
 
     port = free_port()
     log = log or Path(data_dir).parent / f"{Path(data_dir).name}.log"

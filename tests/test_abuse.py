@@ -25,7 +25,7 @@ def _port() -> int:
 
 
 def _serve(data_dir: Path, port: int, log: Path):
-    from vlamux.sdk.process import spawn
+    from api_server import spawn
 
     return spawn(data_dir, port, log=log.open("a"), env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -250,7 +250,9 @@ def test_gym_backend_takes_only_allowlisted_ids_and_imports_nothing_else(tmp_pat
     any simulator starts, and the module a tenant names is never imported."""
     import httpx
 
-    from vlamux.sdk.process import spawn, stop
+    from api_server import spawn
+
+    from vlamux.sdk.process import stop
     from vlamux.sdk import Client
 
     marker_dir = tmp_path / "mods"

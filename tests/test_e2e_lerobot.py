@@ -47,7 +47,8 @@ def _obs(n=2, seed=1):
 
 def test_lerobot_checkpoint_in_sft_out_through_a_served_subprocess(tmp_path):
     import vlamux.policy
-    from vlamux.sdk.process import spawn, stop
+    from api_server import spawn
+    from vlamux.sdk.process import stop
     from vlamux.sdk import Client
     from vlamux.sdk.errors import VlamuxAPIError
 

@@ -34,7 +34,7 @@ def _port() -> int:
 
 
 def _serve(data_dir: Path, port: int, log: Path, store_url: str | None = None) -> subprocess.Popen:
-    from vlamux.sdk.process import spawn
+    from api_server import spawn
 
     extra = ("--store-url", store_url) if store_url else ()
     return spawn(data_dir, port, log=log.open("a"), env={**os.environ, "OMP_NUM_THREADS": "1"}, extra_args=extra)

@@ -32,7 +32,8 @@ def _obs(n=3, seed=0):
 
 def test_tenant_data_in_policies_out_through_a_served_subprocess(tmp_path):
     import vlamux.policy
-    from vlamux.sdk.process import spawn, stop
+    from api_server import spawn
+    from vlamux.sdk.process import stop
     from demos import demo_dataset
     from vlamux.data.lerobot import LeRobotDataset
     from vlamux.sdk import Client

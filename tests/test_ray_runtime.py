@@ -19,7 +19,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from conftest import (TENANTS, chunks_while_training, light_latency_alone_and_flooded, make_runner,  # noqa: E402
                       tenant_batches)
 from runtime_cases import (Roles, killed_environment_worker_is_replaced, killed_inference_replica_restarts,  # noqa: E402
-                           replicas_added_and_removed_under_load)
+                           replicas_added_and_removed_under_load, restarts)
 from vlamux.envs import EnvSpec  # noqa: E402
 from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, OptimizerSpec, Sample  # noqa: E402
 from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
@@ -64,22 +64,39 @@ def one_node():
         ray.shutdown()
 
 
-def tiny_config(inference_replicas=2, max_wait_s=0.01, env_node="node_a", group_cap=None, **kw) -> RayRuntimeConfig:
-    """The tiny backbone; training on node_a, inference replicas on node_b, the environment on env_node.
-    Uncapped groups unless asked: each actor process would probe its backbone for seconds at start
-    (the module's shared runtime `rt` does, as a service does by default)."""
+def tiny_config(inference_replicas=2, max_wait_s=0.01, env_node="node_a", group_cap=None, tmp=None,
+                **kw) -> RayRuntimeConfig:
+    """The tiny backbone; training on node_a, inference replicas on node_b, the environment on env_node;
+    with `tmp` ({role: directory}), each role's TMPDIR. Uncapped groups unless asked: each actor process
+    would probe its backbone for seconds at start (the module's shared runtime `rt` does, as a service
+    does by default)."""
+    def actor(node, role):
+        env = {} if tmp is None else {"runtime_env": {"env_vars": {"TMPDIR": str(tmp[role])}}}
+        return {"num_cpus": 0.5, "resources": {node: 0.01}, **env}
+
     return RayRuntimeConfig(backbone=BackboneSpec(preset="tiny"), inference_replicas=inference_replicas,
                             group_cap=group_cap,
                             torch_threads=1, inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=max_wait_s),
-                            training_actor={"num_cpus": 0.5, "resources": {"node_a": 0.01}},
-                            inference_actor={"num_cpus": 0.5, "resources": {"node_b": 0.01}},
-                            environment_actor={"num_cpus": 0.5, "resources": {env_node: 0.01}}, **kw)
+                            training_actor=actor("node_a", "training"), inference_actor=actor("node_b", "inference"),
+                            environment_actor=actor(env_node, "environment"), **kw)
 
 
 @pytest.fixture(scope="module")
-def rt(cluster):
+def dirs(tmp_path_factory):
+    """The shared runtime's directories: a driver's working directory whose `datasets` is the only
+    dataset root, and a TMPDIR of each role's own."""
+    root = tmp_path_factory.mktemp("ray")
+    tmp = {role: root / f"tmp-{role}" for role in ("training", "inference", "environment")}
+    for d in (*tmp.values(), root / "driver" / "datasets"):
+        d.mkdir(parents=True)
+    return {"root": root, "driver": root / "driver", "tmp": tmp}
+
+
+@pytest.fixture(scope="module")
+def rt(cluster, dirs):
     runtime = RayRuntime(tiny_config(env_node="node_b", group_cap="learned", health_interval_s=0.5,
-                                     env_check_every_s=0.5)).start()
+                                     env_check_every_s=0.5, tmp=dirs["tmp"],
+                                     environment={"allowed_dataset_roots": [str(dirs["driver"] / "datasets")]})).start()
     for i, (name, (spec, _)) in enumerate(TENANTS.items()):
         runtime.create_slot(name, spec, OptimizerSpec(lr=1e-3), seed=100 + i).result(120)
     assert runtime.flush(60)
@@ -229,24 +246,6 @@ def test_a_flooding_tenant_delays_a_light_tenant_by_a_group_not_its_queue(one_no
     assert flooded <= max(2 * alone, 4 * period), (flooded, alone, period)
 
 
-def test_hung_inference_replica_is_replaced(cluster):
-    runtime = RayRuntime(tiny_config(health_interval_s=0.3, hung_after_s=2.0)).start()
-    try:
-        runtime.create_slot("acme", TENANTS["acme"][0]).result(120)
-        assert runtime.flush(60)
-        obs, _ = tenant_batches(batch=1)["acme"]
-        victim = next(iter(runtime.replicas))
-        ray.get(runtime.replicas[victim].debug_hang.remote(600))
-        deadline = time.monotonic() + 60
-        while runtime.health.roles[victim].restarts < 1 and time.monotonic() < deadline:
-            assert runtime.predict("acme", obs).result(120)["actions"].shape == (1, 8, 4)
-        assert runtime.health.roles[victim].restarts >= 1
-        results = [runtime.predict("acme", obs) for _ in range(6)]
-        assert all(f.result(120)["policy_version"] == 0 for f in results)
-    finally:
-        runtime.stop()
-
-
 def test_environment_replicas_are_elastic(rt):
     """Sessions spread over environment replicas, each call reaches the replica holding its session,
     a replica added while a tenant steps takes new sessions, and a removed one drains first."""
@@ -319,65 +318,72 @@ def test_t_and_b_flush_rules_on_a_replica(one_node):
         runtime.stop()
 
 
-def test_no_directory_is_shared_between_the_driver_and_the_actors(cluster, tmp_path, monkeypatch):
-    """Each actor gets a temporary directory of its own and the driver's paths are relative to a
+def test_no_directory_is_shared_between_the_driver_and_the_actors(rt, dirs, monkeypatch):
+    """Each actor has a temporary directory of its own and the driver's paths are relative to a
     working directory only the driver has: checkpoints, a policy file and a dataset still reach the
     actors that need them (as bytes in the object store), the driver's checkpoint is written where the
     driver said, a restarted training actor restores from it, and a dataset keeps sampling after the
     driver's copy is gone."""
+    import shutil
+
     from demos import demo_dataset
     from vlamux.data.errors import DatasetError
     from vlamux.model.slot_file import read_slot_file
 
-    driver = tmp_path / "driver"
+    driver, tmp = dirs["driver"], dirs["tmp"]
     demo_dataset(driver / "datasets" / "tiny", 3)
     monkeypatch.chdir(driver)  # every path below is relative: it means something on the driver only
-    tmp = {role: tmp_path / f"tmp-{role}" for role in ("training", "inference", "environment")}
+    head = HeadSpec("l1_chunk", 4, 4, 8, width=32, depth=1)
+    rt.create_slot("nomad", head, OptimizerSpec(lr=1e-3), seed=5).result(120)
+    ds = rt.environment.open_dataset("nomad", "datasets/tiny", 4, 4,
+                                     {"observation.images.agentview": "agentview",
+                                      "observation.images.wrist": "wrist"})
+    root = rt.environment.dataset_info("nomad", ds)["root"]
+    assert root.startswith(str(tmp["environment"])), root  # the environment actor reads its own copy
+    with pytest.raises(DatasetError, match="outside"):
+        rt.environment.open_dataset("nomad", str(dirs["root"]), 4, 4, {})
+    for _ in range(2):
+        obs, act, mask = rt.environment.sample("nomad", ds)
+        rt.forward_backward("nomad", obs, act, mask).result(120)
+        rt.optim_step("nomad").result(120)
+    saved = rt.save_state("nomad", "ckpt/nomad.safetensors").result(120)
+    assert saved["path"] == str(driver / "ckpt" / "nomad.safetensors")
+    tensors, meta = read_slot_file("ckpt/nomad.safetensors")
+    assert meta["tenant"] == "nomad" and int(tensors["version"][0]) == rt.version("nomad") == 2
+    assert not list(tmp["training"].rglob("*.safetensors"))  # the actor kept no copy
 
-    def role(node, name):
-        tmp[name].mkdir()
-        return {"num_cpus": 0.5, "resources": {node: 0.01}, "runtime_env": {"env_vars": {"TMPDIR": str(tmp[name])}}}
+    shutil.rmtree(driver / "datasets" / "tiny")  # the environment actor samples from its own copy
+    obs, act, mask = rt.environment.sample("nomad", ds)
+    rt.forward_backward("nomad", obs, act, mask).result(120)
+    rt.optim_step("nomad").result(120)
+    assert rt.version("nomad") == 3
 
-    cfg = RayRuntimeConfig(backbone=BackboneSpec(preset="tiny"), inference_replicas=1, torch_threads=1,
-                           training_actor=role("node_a", "training"), inference_actor=role("node_b", "inference"),
-                           environment_actor=role("node_a", "environment"), health_interval_s=0.5,
-                           environment={"allowed_dataset_roots": ["datasets"]})
-    rt = RayRuntime(cfg).start()
+    before = rt.health.roles["training"].restarts
+    ray.kill(rt.training, no_restart=False)  # restored from the driver's checkpoint, sent as bytes
+    deadline = time.monotonic() + 90
+    while rt.health.roles["training"].restarts <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert rt.health.roles["training"].restarts > before
+    assert rt.version("nomad") >= 2
+    rt.load_state("nomad", "ckpt/nomad.safetensors").result(120)
+    assert rt.forward_backward("nomad", obs, act, mask).result(120)["loss"] > 0
+    rt.environment.close_dataset("nomad", ds)
+
+
+def test_hung_inference_replica_is_replaced(rt):
+    """A replica that stops answering (its heartbeat stale past hung_after_s) is replaced and requests
+    keep being answered. Last in the file: it shortens the shared runtime's hang bound while it runs."""
+    before = restarts(rt)
+    obs, _ = tenant_batches(batch=1)["acme"]
+    victim = rt.replica_names()[0]
+    hung_after_s, rt.health.hung_after_s = rt.health.hung_after_s, 2.0
     try:
-        head = HeadSpec("l1_chunk", 4, 4, 8, width=32, depth=1)
-        rt.create_slot("acme", head, OptimizerSpec(lr=1e-3), seed=5).result(120)
-        ds = rt.environment.open_dataset("acme", "datasets/tiny", 4, 4,
-                                         {"observation.images.agentview": "agentview",
-                                          "observation.images.wrist": "wrist"})
-        root = rt.environment.dataset_info("acme", ds)["root"]
-        assert root.startswith(str(tmp["environment"])), root  # the environment actor reads its own copy
-        with pytest.raises(DatasetError, match="outside"):
-            rt.environment.open_dataset("acme", str(tmp_path), 4, 4, {})
-        for _ in range(2):
-            obs, act, mask = rt.environment.sample("acme", ds)
-            rt.forward_backward("acme", obs, act, mask).result(120)
-            rt.optim_step("acme").result(120)
-        saved = rt.save_state("acme", "ckpt/acme.safetensors").result(120)
-        assert saved["path"] == str(driver / "ckpt" / "acme.safetensors")
-        tensors, meta = read_slot_file("ckpt/acme.safetensors")
-        assert meta["tenant"] == "acme" and int(tensors["version"][0]) == rt.version("acme") == 2
-        assert not list(tmp["training"].rglob("*.safetensors"))  # the actor kept no copy
-
-        import shutil
-
-        shutil.rmtree(driver / "datasets" / "tiny")  # the environment actor samples from its own copy
-        obs, act, mask = rt.environment.sample("acme", ds)
-        rt.forward_backward("acme", obs, act, mask).result(120)
-        rt.optim_step("acme").result(120)
-        assert rt.version("acme") == 3
-
-        ray.kill(rt.training, no_restart=False)  # restored from the driver's checkpoint, sent as bytes
-        deadline = time.monotonic() + 90
-        while rt.health.roles["training"].restarts < 1 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert rt.health.roles["training"].restarts >= 1
-        assert rt.version("acme") >= 2
-        rt.load_state("acme", "ckpt/acme.safetensors").result(120)
-        assert rt.forward_backward("acme", obs, act, mask).result(120)["loss"] > 0
+        ray.get(rt.replicas[victim].debug_hang.remote(600))
+        deadline = time.monotonic() + 60
+        while restarts(rt)[victim] <= before[victim] and time.monotonic() < deadline:
+            assert rt.predict("acme", obs).result(120)["actions"].shape == (1, 8, 4)
     finally:
-        rt.stop()
+        rt.health.hung_after_s = hung_after_s
+    assert restarts(rt)[victim] > before[victim]
+    results = [rt.predict("acme", obs) for _ in range(6)]
+    assert all(f.result(120)["policy_version"] == rt.version("acme") for f in results)

@@ -31,7 +31,7 @@ class Served:
         self.proc = None
 
     def start(self):
-        from vlamux.sdk.process import spawn
+        from api_server import spawn
 
         self.proc = spawn(self.data_dir, self.port, log=self.log.open("a"),
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
