@@ -22,7 +22,10 @@ from vlamux.envs import EnvSpec
 @dataclass
 class Roles:
     kill_replica: Callable[[Any, str], None]  # (runtime, replica name): its engine or process dies
+    kill_training: Callable[[Any], None]  # (runtime): the training role's engine or process dies
     replica_version: Callable[[Any, str, str], int]  # (runtime, replica name, tenant): the version it serves
+    hang_replica: Callable[[Any, str], Callable[[], None]]  # (runtime, replica name): stuck in a model call; returns
+    # what frees it
     timeout_s: float  # a restart's bound there: an engine thread, or a new actor process beside a neighbour
 
 
@@ -94,6 +97,61 @@ def killed_inference_replica_restarts(rt, roles: Roles) -> None:
     assert c.errors == []
     after = restarts(rt)
     assert after[victim] == before[victim] + 1 and after[other] == before[other]
+    assert rt.flush(roles.timeout_s)
+    for t in TENANTS:
+        assert roles.replica_version(rt, victim, t) == rt.version(t), t
+
+
+def killed_training_role_comes_back(rt, roles: Roles, checkpoint) -> None:
+    """The training role dies while other tenants act: it comes back, no request fails, a tenant with a
+    checkpoint resumes from it (its weights under a new version number: the one after the checkpoint
+    was already served, and a number never names two policies), the others from their last published
+    version, and training goes on."""
+    data = tenant_batches(batch=2)
+    for t, (obs, act) in data.items():
+        rt.forward_backward(t, obs, act).result(roles.timeout_s)
+        rt.optim_step(t).result(roles.timeout_s)
+    rt.save_state("acme", checkpoint).result(roles.timeout_s)
+    obs, act = data["acme"]
+    rt.forward_backward("acme", obs, act).result(roles.timeout_s)
+    served = rt.optim_step("acme").result(roles.timeout_s)["policy_version"]  # after the checkpoint
+    assert rt.flush(roles.timeout_s)
+    versions, before = {t: rt.version(t) for t in TENANTS}, restarts(rt)["training"]
+    with Clients(rt, ["bolt", "cobalt"], roles.timeout_s) as c:
+        assert c.serving(roles.timeout_s)
+        roles.kill_training(rt)
+        assert wait_for(lambda: restarts(rt)["training"] > before, roles.timeout_s)
+        assert c.more(3, roles.timeout_s)
+    assert c.errors == []
+    assert rt.version("acme") == served + 1
+    assert all(rt.version(t) == versions[t] for t in ("bolt", "cobalt", "delta"))
+    assert rt.flush(roles.timeout_s)
+    for name in rt.replica_names():
+        assert roles.replica_version(rt, name, "acme") == served + 1, name
+    out = rt.predict("acme", obs, deterministic=True).result(roles.timeout_s)
+    assert out["policy_version"] == served + 1
+    assert rt.forward_backward("bolt", *data["bolt"]).result(roles.timeout_s)["loss"] > 0  # training goes on
+    assert rt.optim_step("bolt").result(roles.timeout_s)["policy_version"] == versions["bolt"] + 1
+
+
+def hung_inference_replica_is_replaced(rt, roles: Roles, hung_after_s: float) -> None:
+    """A replica stops answering (its engine stuck in a model call): once its heartbeat is older than
+    `hung_after_s` it is replaced, no request fails, and the new one serves every tenant's version."""
+    victim = rt.replica_names()[-1]
+    before = restarts(rt)
+    bound, rt.health.hung_after_s = rt.health.hung_after_s, hung_after_s
+    try:
+        with Clients(rt, list(TENANTS), roles.timeout_s) as c:
+            assert c.serving(roles.timeout_s)
+            release = roles.hang_replica(rt, victim)
+            try:
+                assert wait_for(lambda: restarts(rt)[victim] > before[victim], roles.timeout_s)
+                assert c.more(3, roles.timeout_s)
+            finally:
+                release()
+    finally:
+        rt.health.hung_after_s = bound
+    assert c.errors == []
     assert rt.flush(roles.timeout_s)
     for t in TENANTS:
         assert roles.replica_version(rt, victim, t) == rt.version(t), t

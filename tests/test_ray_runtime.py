@@ -18,8 +18,9 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from conftest import (TENANTS, chunks_while_training, light_latency_alone_and_flooded, make_runner,  # noqa: E402
                       tenant_batches)
-from runtime_cases import (Roles, killed_environment_worker_is_replaced, killed_inference_replica_restarts,  # noqa: E402
-                           replicas_added_and_removed_under_load, restarts)
+from runtime_cases import (Roles, hung_inference_replica_is_replaced, killed_environment_worker_is_replaced,  # noqa: E402
+                           killed_inference_replica_restarts, killed_training_role_comes_back,
+                           replicas_added_and_removed_under_load)
 from vlamux.envs import EnvSpec  # noqa: E402
 from vlamux.model import BackboneSpec, ForwardBackward, HeadSpec, OptimizerSpec, Sample  # noqa: E402
 from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
@@ -160,9 +161,18 @@ def test_data_plane_moves_by_reference(rt):
     rt.environment.close_session("robot", sid)
 
 
+def hang(replica):
+    """The actor's engine stuck in a model call; the Health Manager has Ray kill and restart it, so
+    there is nothing to release."""
+    ray.get(replica.debug_hang.remote(600))
+    return lambda: None
+
+
 # a replica killed as a crash would (Ray restarts the actor; the Health Manager restores its tenants)
 ROLES = Roles(kill_replica=lambda rt, name: ray.kill(rt.replicas[name], no_restart=False),
+              kill_training=lambda rt: ray.kill(rt.training, no_restart=False),
               replica_version=lambda rt, name, tenant: ray.get(rt.replicas[name].policy_version.remote(tenant)),
+              hang_replica=lambda rt, name: hang(rt.replicas[name]),
               timeout_s=90.0)
 
 
@@ -171,32 +181,7 @@ def test_killed_inference_replica_restarts_and_requests_keep_succeeding(rt):
 
 
 def test_killed_training_role_restarts_with_its_tenants(rt, tmp_path):
-    obs, act = tenant_batches(batch=2)["cobalt"]
-    rt.forward_backward("cobalt", obs, act).result(120)
-    v = rt.optim_step("cobalt").result(120)["policy_version"]
-    time.sleep(0.5)
-    other, _ = tenant_batches(batch=1)["delta"]
-    served, errors, stop = [], [], threading.Event()
-
-    def other_tenant():  # another tenant keeps acting while the training role is down
-        while not stop.is_set():
-            try:
-                served.append(rt.predict("delta", other).result(120))
-            except Exception as e:  # noqa: BLE001
-                errors.append(e)
-
-    th = threading.Thread(target=other_tenant)
-    th.start()
-    ray.kill(rt.training, no_restart=False)
-    deadline = time.monotonic() + 90
-    while rt.health.roles["training"].restarts < 1 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    stop.set()
-    th.join()
-    assert rt.health.roles["training"].restarts >= 1
-    assert errors == [] and len(served) > 0
-    assert rt.version("cobalt") == v
-    assert rt.forward_backward("cobalt", obs, act).result(120)["loss"] > 0
+    killed_training_role_comes_back(rt, ROLES, tmp_path / "acme.safetensors")
 
 
 def test_elastic_add_and_remove(rt):
@@ -371,19 +356,5 @@ def test_no_directory_is_shared_between_the_driver_and_the_actors(rt, dirs, monk
 
 
 def test_hung_inference_replica_is_replaced(rt):
-    """A replica that stops answering (its heartbeat stale past hung_after_s) is replaced and requests
-    keep being answered. Last in the file: it shortens the shared runtime's hang bound while it runs."""
-    before = restarts(rt)
-    obs, _ = tenant_batches(batch=1)["acme"]
-    victim = rt.replica_names()[0]
-    hung_after_s, rt.health.hung_after_s = rt.health.hung_after_s, 2.0
-    try:
-        ray.get(rt.replicas[victim].debug_hang.remote(600))
-        deadline = time.monotonic() + 60
-        while restarts(rt)[victim] <= before[victim] and time.monotonic() < deadline:
-            assert rt.predict("acme", obs).result(120)["actions"].shape == (1, 8, 4)
-    finally:
-        rt.health.hung_after_s = hung_after_s
-    assert restarts(rt)[victim] > before[victim]
-    results = [rt.predict("acme", obs) for _ in range(6)]
-    assert all(f.result(120)["policy_version"] == rt.version("acme") for f in results)
+    """Last in the file: it shortens the shared runtime's hang bound while it runs."""
+    hung_inference_replica_is_replaced(rt, ROLES, hung_after_s=2.0)
