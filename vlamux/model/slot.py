@@ -51,10 +51,13 @@ class OptimizerSpec:
 class Slot:
     def __init__(self, tenant: str, head_spec: HeadSpec, feature_meta: FeatureMeta,
                  optim: OptimizerSpec | None = None, seed: int = 0, device: str | torch.device = "cpu",
-                 adaptable: dict | None = None, lora_default: tuple[str, ...] = (), query_init: dict | None = None):
+                 adaptable: dict | None = None, lora_default: tuple[str, ...] = (), query_init: dict | None = None,
+                 init: bool = True):
         """adaptable / lora_default: the backbone's Linears an adapter may change and its default
         targets (`Backbone.adaptable`, `LORA_DEFAULT`), for a head spec that carries an adapter;
-        query_init: how the backbone takes query tokens (`Backbone.query_init`), for one with query_tokens."""
+        query_init: how the backbone takes query tokens (`Backbone.query_init`), for one with query_tokens.
+        init=False: the module's tensors are allocated, not initialised (a state is copied in next:
+        `vlamux.model.parking.unpark`), which skips the seeded initialisation's draws."""
         if not tenant or not isinstance(tenant, str):
             raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
         self.tenant = tenant
@@ -64,7 +67,7 @@ class Slot:
         self.seed = seed
         self.device = torch.device(device)
         with seeded(seed):
-            self.head: ActionHead = build_head(head_spec, feature_meta.hidden_dim).to(self.device)
+            self.head: ActionHead = _placed(lambda: build_head(head_spec, feature_meta.hidden_dim, init), self.device, init)
         self.adapter: LoRAAdapter | None = None
         if head_spec.adapter is not None:
             if not adaptable:
@@ -72,14 +75,15 @@ class Slot:
                                         f"change")
             targets = select_targets(adaptable, head_spec.lora, lora_default)
             with seeded(seed + 7919):
-                self.adapter = LoRAAdapter(head_spec.lora, targets).to(self.device)
+                self.adapter = _placed(lambda: LoRAAdapter(head_spec.lora, targets), self.device, init)
         self.queries: QueryTokens | None = None
         if head_spec.query_tokens:
             if not query_init:
                 raise InvalidInputError(f"head.query_tokens: backbone {self.backbone_id!r} takes no query tokens "
                                         f"(a VLM backbone does)")
             with seeded(seed + 104729):
-                self.queries = QueryTokens(head_spec.query_tokens, query_init["dim"], query_init["std"]).to(self.device)
+                self.queries = _placed(lambda: QueryTokens(head_spec.query_tokens, query_init["dim"], query_init["std"]),
+                                       self.device, init)
         o = self.optim_spec
         # one optimizer over the tenant's whole module: head, then adapter, then query tokens
         self.optimizer = torch.optim.AdamW(self._module_params(), lr=o.lr, betas=o.betas, eps=o.eps,
@@ -469,6 +473,16 @@ class Slot:
                    seed=int(meta["seed"]), device=device, **backbone)
         slot.load_state(path)
         return slot
+
+
+def _placed(make, device: torch.device, init: bool) -> torch.nn.Module:
+    """`make()`'s module on `device`: initialised, or (init=False) built on the meta device and given
+    uninitialised storage there, for a state about to be copied in."""
+    if init:
+        return make().to(device)
+    with torch.device("meta"):
+        module = make()
+    return module.to_empty(device=device)
 
 
 def _plain_export(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], None]:

@@ -73,13 +73,15 @@ def load(slot, path: str | Path) -> None:
     live, live_meta = state_tensors(slot)
     backup = ({k: v.clone() for k, v in live.items()}, live_meta)  # on CPU .cpu() aliases the parameters
     try:
-        _restore(slot, tensors, meta)
+        restore(slot, tensors, meta)
     except Exception as e:
-        _restore(slot, *backup)
+        restore(slot, *backup)
         raise IncompatibleError(f"{path}: could not be restored ({e}); the slot is unchanged") from e
 
 
-def _restore(slot, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
+def restore(slot, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
+    """Put a slot file's state into `slot`, unchecked (`load` checks first; a parked slot is this
+    process's own)."""
     slot.head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
     for name, m in (("adapter", slot.adapter), ("queries", slot.queries)):
         if m is not None:

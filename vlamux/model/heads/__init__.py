@@ -16,11 +16,13 @@ IMPORTED_HEADS.update({LeRobotHead.kind: LeRobotHead})
 __all__ = ["ActionHead", "HeadSpec", "HEADS", "build_head"]
 
 
-def build_head(spec: HeadSpec, feature_dim: int) -> ActionHead:
+def build_head(spec: HeadSpec, feature_dim: int, init: bool = True) -> ActionHead:
+    """A head for `spec`; init=False leaves its Linears as built (a state is loaded next)."""
     if spec.kind in IMPORTED_HEADS:  # its weights are loaded next: no initialisation of ours
         return IMPORTED_HEADS[spec.kind](spec, feature_dim)
     if spec.kind not in HEADS:
         raise ValueError(f"head spec: unknown kind {spec.kind!r}; choose one of {sorted(HEADS)}")
     head = HEADS[spec.kind](spec, feature_dim)
-    init_linear(head)
+    if init:
+        init_linear(head)
     return head

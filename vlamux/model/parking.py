@@ -1,0 +1,114 @@
+"""A slot below resident: parked (its whole state as host tensors) or stored (the same, in a slot
+file on disk), and back, byte for byte.
+
+A parked slot holds everything a resident one does: the module, the optimizer's state and
+hyperparameters (a learning rate changed since creation included), the gradients of forward_backward
+calls not yet stepped and their norm, the statistics, the RNG and the policy version. Unparked, it
+continues exactly where it left off: the same outputs, the same optimizer trajectory, the same random
+draws. The tensors are in the slot file's layout (`vlamux.model.slot_file`), gradients added as
+`grad.{i}` (the i-th trainable parameter's), so a stored slot is a checkpoint any vlamux reads; a slot
+holding gradients is never stored (a checkpoint has none).
+
+Parking copies; unparking builds a new `Slot` (a new object: caches keyed by a slot's identity, such
+as the fused heads' stacks, cannot mistake it for the old one) with its tensors allocated, not
+initialised, and copies the state in. The parked
+slot's tensors may become the new slot's (on a CPU the copies alias): unparking consumes it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from vlamux.errors import InvalidInputError
+from vlamux.model import slot_file
+from vlamux.model.feature import FeatureMeta
+from vlamux.model.heads import HeadSpec
+from vlamux.model.slot import OptimizerSpec, Slot
+from vlamux.model.slot_file import MODULE_PREFIXES
+from vlamux.utils.io import atomic_save_safetensors, tensors_sha256
+
+
+@dataclass(frozen=True)
+class SlotBytes:
+    """A slot's bytes by part: what each tier must hold for it."""
+    params: int
+    optimizer: int
+    grads: int
+    stats: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.optimizer + self.grads + self.stats
+
+
+@dataclass
+class ParkedSlot:
+    tenant: str
+    backbone_id: str
+    tensors: dict[str, Tensor]  # host tensors, slot file layout + grad.{i} and grad_norm
+    meta: dict[str, str]  # slot file metadata + "accumulated"
+
+    @property
+    def holds_gradients(self) -> bool:
+        return int(self.meta.get("accumulated", "0")) > 0
+
+    def nbytes(self) -> SlotBytes:
+        def size(prefixes):
+            return sum(t.numel() * t.element_size() for k, t in self.tensors.items() if k.startswith(prefixes))
+
+        return SlotBytes(params=size(MODULE_PREFIXES), optimizer=size(("optim.",)), grads=size(("grad.", "grad_norm")),
+                         stats=size(("stats.",)))
+
+
+def park(slot: Slot) -> ParkedSlot:
+    """A copy of all of `slot`'s state on the host (the slot itself is left as it was)."""
+    tensors, meta = slot_file.state_tensors(slot)
+    tensors = {k: v.to("cpu", copy=True) for k, v in tensors.items()}  # on a CPU .cpu() aliased the slot's
+    for i, p in enumerate(slot.params):
+        if p.grad is not None:
+            tensors[f"grad.{i}"] = p.grad.detach().to("cpu", copy=True)
+    if slot._grad_norm is not None:
+        tensors["grad_norm"] = slot._grad_norm.detach().to("cpu", copy=True)
+    return ParkedSlot(slot.tenant, slot.backbone_id, tensors, {**meta, "accumulated": str(slot.accumulated)})
+
+
+def unpark(parked: ParkedSlot, feature_meta: FeatureMeta, device="cpu", **backbone) -> Slot:
+    """The slot `parked` was, on `device` (`backbone`: `Slot`'s keyword arguments for an adapter or query
+    tokens). Consumes `parked`."""
+    meta, tensors = parked.meta, parked.tensors
+    if feature_meta.backbone_id != parked.backbone_id:
+        raise InvalidInputError(f"tenant {parked.tenant!r} was parked from backbone {parked.backbone_id!r}, "
+                                f"not {feature_meta.backbone_id!r}")
+    slot = Slot(parked.tenant, HeadSpec.from_json(meta["head_spec"]), feature_meta,
+                OptimizerSpec(**json.loads(meta["optim_spec"])), seed=int(meta["seed"]), device=device, init=False,
+                **backbone)
+    slot_file.restore(slot, tensors, meta)
+    params = slot.params
+    with torch.no_grad():
+        for k, g in tensors.items():
+            if k.startswith("grad."):
+                p = params[int(k[5:])]
+                p.grad = g.to(p.device, copy=True)
+    slot.accumulated = int(meta.get("accumulated", "0"))
+    norm = tensors.get("grad_norm")
+    slot._grad_norm = None if norm is None else norm.to(slot.device, copy=True)
+    return slot
+
+
+def store(parked: ParkedSlot, path: str | Path) -> None:
+    """Write `parked` as a slot file (a checkpoint: `Slot.load_state` and `read_stored` read it)."""
+    if parked.holds_gradients:
+        raise InvalidInputError(f"tenant {parked.tenant!r} holds un-stepped gradients: a stored slot has none")
+    meta = {k: v for k, v in parked.meta.items() if k != "accumulated"}
+    atomic_save_safetensors(parked.tensors, path, {**meta, "content_sha256": tensors_sha256(parked.tensors)})
+
+
+def read_stored(path: str | Path) -> ParkedSlot:
+    """A stored slot (any slot file) read back and verified, parked."""
+    tensors, meta = slot_file.read_slot_file(path)
+    return ParkedSlot(meta["tenant"], meta["backbone_id"], tensors, {**meta, "accumulated": "0"})
