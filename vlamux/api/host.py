@@ -60,6 +60,7 @@ class ServiceConfig:
     # "learned": each service times its backbones at start and caps groups where a bigger one stops
     # paying (vlamux/model/calibrate.py); None: groups are capped by the queues' batch rows only
     group_cap: str | None = "learned"
+    max_adapters_per_group: int | None = None  # distinct tenants' adapters in one backbone call; None: no cap
     ray_address: str | None = None  # None: the embedded runtime; "local": a Ray instance of its own
     max_body_mb: float = 64.0  # msgpack bodies (observations, action batches)
     max_json_kb: float = 1024.0  # every other body (job specs, settings): parsed on the event loop
@@ -157,7 +158,8 @@ class ServiceHost:
         return {"backbone": spec_from_arg(c.backbone, vlm=c.vlm), "backbones": named_backbones(c.extra_backbones, c.vlm),
                 "device": c.device, "dtype": c.dtype,
                 "training_device": c.training_device, "inference_devices": tuple(c.inference_devices),
-                "inference_replicas": c.inference_replicas, "group_cap": c.group_cap}
+                "inference_replicas": c.inference_replicas, "group_cap": c.group_cap,
+                "max_adapters_per_group": c.max_adapters_per_group}
 
     def stop(self) -> None:
         self._janitor_stop.set()

@@ -33,6 +33,9 @@ import click
               envvar="VLAMUX_GROUP_CAP",
               help="Cap on a group's rows: learned by timing each backbone at start (a second or two "
                    "a service), or none beyond the queues' batch rows (env VLAMUX_GROUP_CAP).")
+@click.option("--max-adapters-per-group", type=click.IntRange(1, None), default=None,
+              help="At most this many tenants' LoRA adapters in one backbone call (each is one more segment of "
+                   "every adapted Linear); the others join the next group. Default: no cap.")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="Place the services on this Ray cluster ('auto', 'ray://host:10001'; 'local' starts one in-process).")
 @click.option("--store-url", default=None, help="SQLAlchemy URL of the store (default: sqlite in --data-dir).")
@@ -45,11 +48,13 @@ import click
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
 def serve(host, port, data_dir, backbone, extra_backbones, vlm, device, dtype, training_device, inference_devices,
-          inference_replicas, group_cap, ray_address, store_url, admin_key, max_body_mb, gym_envs, log_level) -> None:
+          inference_replicas, group_cap, max_adapters_per_group, ray_address, store_url, admin_key, max_body_mb, gym_envs,
+          log_level) -> None:
     """Run the services and the HTTP API until interrupted (embedded runtime unless --ray)."""
     config = serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
                           ray_address, store_url, max_body_mb, extra_backbones, gym_envs, vlm,
-                          group_cap=None if group_cap == "none" else group_cap)
+                          group_cap=None if group_cap == "none" else group_cap,
+                          max_adapters_per_group=max_adapters_per_group)
     from vlamux.api.server import serve as run
 
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -57,7 +62,8 @@ def serve(host, port, data_dir, backbone, extra_backbones, vlm, device, dtype, t
 
 
 def serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
-                 ray_address, store_url, max_body_mb, extra_backbones=(), gym_envs=(), vlm=None, group_cap="learned"):
+                 ray_address, store_url, max_body_mb, extra_backbones=(), gym_envs=(), vlm=None, group_cap="learned",
+                 max_adapters_per_group=None):
     """`vlamux serve`'s options as a ServiceConfig; a device or dtype this machine cannot run is a usage
     error now, not a failure after start-up (on Ray, devices are the actors' and checked there)."""
     from vlamux.api.host import ServiceConfig
@@ -90,5 +96,6 @@ def serve_config(data_dir, backbone, device, dtype, training_device, inference_d
     return ServiceConfig(data_dir=data_dir, store_url=store_url, backbone=backbone,
                          extra_backbones=tuple(extra_backbones), vlm=vlm, device=device, dtype=dtype,
                          training_device=training_device, inference_devices=devices,
-                         inference_replicas=inference_replicas, group_cap=group_cap, ray_address=ray_address,
+                         inference_replicas=inference_replicas, group_cap=group_cap,
+                         max_adapters_per_group=max_adapters_per_group, ray_address=ray_address,
                          max_body_mb=max_body_mb, gym_envs=allowed)

@@ -79,18 +79,27 @@ class Result:
 
 
 def plan_groups(keys: list[str], rows: list[int], max_rows: int | dict | None = None,
-                tenants: list[str] | None = None) -> list[list[int]]:
-    """Partition request indices into groups of equal key and at most `max_rows` rows (one number, or
-    one per key: a backbone's learned cap), keeping order."""
+                tenants: list[str] | None = None, adapters: list[str | None] | None = None,
+                max_adapters: int | None = None) -> list[list[int]]:
+    """Partition request indices into groups of equal key, at most `max_rows` rows (one number, or one
+    per key: a backbone's learned cap) and at most `max_adapters` distinct adapters (`adapters`: each
+    request's adapter, None for none; each adapter in a group is one more segment of every adapted
+    Linear, as S-LoRA's and SGLang's per-batch caps count them), keeping order."""
     groups: list[list[int]] = []
     open_group: dict[str, int] = {}  # key -> index in groups of the group still taking requests
     sizes: list[int] = []
+    held: list[set] = []  # each group's distinct adapters
     for i, (key, n) in enumerate(zip(keys, rows)):
         who = f"request {i}" + (f" (tenant {tenants[i]!r})" if tenants else "")
         g = open_group.get(key)
         cap = max_rows.get(key) if isinstance(max_rows, dict) else max_rows
+        adapter = adapters[i] if adapters else None
         if g is not None and cap is not None and sizes[g] + n > cap:
             log.debug("%s starts a new group: group %d is full (%d + %d rows > max %d)", who, g, sizes[g], n, cap)
+            g = None
+        elif g is not None and max_adapters is not None and adapter is not None and adapter not in held[g] \
+                and len(held[g]) >= max_adapters:
+            log.debug("%s starts a new group: group %d holds %d adapters (max %d)", who, g, len(held[g]), max_adapters)
             g = None
         if g is None:
             if open_group and key not in open_group:
@@ -99,7 +108,10 @@ def plan_groups(keys: list[str], rows: list[int], max_rows: int | dict | None = 
             g = len(groups)
             groups.append([])
             sizes.append(0)
+            held.append(set())
             open_group[key] = g
         groups[g].append(i)
         sizes[g] += n
+        if adapter is not None:
+            held[g].add(adapter)
     return groups

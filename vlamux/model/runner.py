@@ -53,7 +53,7 @@ class _Ingested:
 
 class ModelRunner:
     def __init__(self, backbones: Backbone | list[Backbone], max_group_rows: int | None = None,
-                 fuse_heads: bool = True, priority: str = "normal"):
+                 fuse_heads: bool = True, priority: str = "normal", max_adapters_per_group: int | None = None):
         backbones = [backbones] if isinstance(backbones, Backbone) else list(backbones)
         if not backbones:
             raise ValueError("a model runner needs at least one backbone")
@@ -64,13 +64,17 @@ class ModelRunner:
         self.backbones = {b.backbone_id: b for b in backbones}
         self.default_backbone = backbones[0].backbone_id
         self.max_group_rows = max_group_rows
+        if max_adapters_per_group is not None and max_adapters_per_group < 1:
+            raise ValueError(f"max_adapters_per_group: at least 1 (or None: no cap), got {max_adapters_per_group}")
+        self.max_adapters_per_group = max_adapters_per_group
         self.group_curves: dict[str, GroupCurve] = {}  # learned caps, per backbone (`calibrate`)
         self.slots: dict[str, Slot] = {}
         self.pools = MemoryPools(backbones[0].device)  # this runner's (its service's) rollout pool
         self.fused = FusedHeads() if fuse_heads else None
         self.heads = HeadPhase(self.slots, self.fused, Lane(backbones[0].device, backbones[0].dtype, priority))
         # adapter tenants' training calls: how many, and the activations their backward kept
-        self.adapter_stats = {"groups": 0, "last_activation_bytes": 0, "peak_activation_bytes": 0}
+        self.adapter_stats = {"groups": 0, "last_activation_bytes": 0, "peak_activation_bytes": 0,
+                              "max_adapters_per_call": 0}
 
     @property
     def lane(self) -> Lane:
@@ -234,10 +238,11 @@ class ModelRunner:
             for indices in self._rounds(requests, sorted(batches)):
                 rnd = Round(requests, {i: batches[i].rows for i in indices}, fuse=grouped)
                 if grouped:
-                    keys = [self.slots[requests[i].tenant].backbone_id for i in indices]
-                    rows = [batches[i].batch_size for i in indices]
-                    plan = [[indices[j] for j in g] for g in plan_groups(keys, rows, self.group_caps(),
-                                                                         [requests[i].tenant for i in indices])]
+                    slots = [self.slots[requests[i].tenant] for i in indices]
+                    plan = [[indices[j] for j in g] for g in plan_groups(
+                        [s.backbone_id for s in slots], [batches[i].batch_size for i in indices], self.group_caps(),
+                        [s.tenant for s in slots], [s.tenant if s.adapter is not None else None for s in slots],
+                        self.max_adapters_per_group)]
                 else:
                     plan = [[i] for i in indices]
                 for group in plan:
@@ -309,6 +314,8 @@ class ModelRunner:
             mine = [batches[i].batch for i in group]
             segments = list(zip(backbone.segments(mine), [s.adapter for s in slots])) \
                 if any(s.adapter is not None for s in slots) else []
+            n_adapters = len({s.tenant for s in slots if s.adapter is not None})
+            self.adapter_stats["max_adapters_per_call"] = max(self.adapter_stats["max_adapters_per_call"], n_adapters)
             with adapters.active(segments), torch.set_grad_enabled(grad), self._saved_bytes(grad) as kept:
                 # each tenant's own vectors in the shared forward (query tokens; an imported policy's state token)
                 queries = [s.backbone_tokens(batches[i].rows) for i, s in zip(group, slots)]

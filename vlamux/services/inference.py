@@ -34,11 +34,12 @@ class _Predict:
 class InferenceModelService(EngineLoop):
     def __init__(self, backbone: Backbone | list[Backbone], queue: InferenceQueueConfig | None = None,
                  name: str = "inference-0", fuse_heads: bool = True, group_cap: str | None = None,
-                 group_budget_s: float | None = None, priority: str = "high"):
+                 group_budget_s: float | None = None, priority: str = "high", max_adapters_per_group: int | None = None):
         self.name = name
         self.group_cap, self.group_budget_s = group_cap, group_budget_s
         # every backbone the replica serves; "high": simulators wait on its answers (model.device)
-        self.runner = ModelRunner(backbone, fuse_heads=fuse_heads, priority=priority)
+        self.runner = ModelRunner(backbone, fuse_heads=fuse_heads, priority=priority,
+                                  max_adapters_per_group=max_adapters_per_group)
         self.backbone = self.runner.backbones[self.runner.default_backbone]
         self.queue = InferenceQueue(queue)
         self.accounting = Accounting()

@@ -70,12 +70,13 @@ class InferenceActor(ServiceActor):
     def __init__(self, backbones: dict[str, BackboneSpec], queue: InferenceQueueConfig, name: str,
                  device: str = "auto", torch_threads: int | None = None, dtype: str = "auto", fuse_heads: bool = True,
                  group_cap: str | None = None, group_budget_s: float | None = None,
-                 prioritize_inference: bool = True):
+                 prioritize_inference: bool = True, max_adapters_per_group: int | None = None):
         self._init(torch_threads)
         placed = list(placed_backbones(backbones, device, dtype).values())
         priority = lane_priority("inference", prioritize_inference, False, placed[0].device)
         self.svc = InferenceModelService(placed, queue, name, fuse_heads=fuse_heads, group_cap=group_cap,
-                                         group_budget_s=group_budget_s, priority=priority).start()
+                                         group_budget_s=group_budget_s, priority=priority,
+                                         max_adapters_per_group=max_adapters_per_group).start()
 
     def stage_policy(self, snap: PolicySnapshot) -> None:
         self.svc.stage_policy(snap)
@@ -104,7 +105,7 @@ class TrainingActor(ServiceActor):
     def __init__(self, backbones: dict[str, BackboneSpec], max_staleness: int | None, max_group_rows: int | None,
                  device: str = "auto", torch_threads: int | None = None, dtype: str = "auto",
                  fuse_heads: bool = True, group_cap: str | None = None, group_budget_s: float | None = None,
-                 prioritize_inference: bool = True):
+                 prioritize_inference: bool = True, max_adapters_per_group: int | None = None):
         self._init(torch_threads)
         self.publisher = PolicyPublisher()
         self.publisher.start()
@@ -115,7 +116,8 @@ class TrainingActor(ServiceActor):
         priority = lane_priority("training", prioritize_inference, False, next(iter(self.backbones.values())).device)
         self.svc = TrainingModelService(list(self.backbones.values()), self.publisher, max_staleness,
                                         max_group_rows, fuse_heads=fuse_heads, group_cap=group_cap,
-                                        group_budget_s=group_budget_s, priority=priority).start()
+                                        group_budget_s=group_budget_s, priority=priority,
+                                        max_adapters_per_group=max_adapters_per_group).start()
 
     def subscribe(self, name: str, replica) -> None:
         """New versions go to `replica` from now on, and every tenant's current one goes now: a new or

@@ -101,7 +101,7 @@ class RayRuntime:
         c = self.config
         self.training = self._actor(TrainingActor, c.training_actor).remote(
             c.named_backbones(), c.max_staleness, c.max_group_rows, c.role_device("training"), c.torch_threads,
-            c.dtype, c.fuse_heads, c.group_cap, c.group_budget_s, c.prioritize_inference)
+            c.dtype, c.fuse_heads, c.group_cap, c.group_budget_s, c.prioritize_inference, c.max_adapters_per_group)
         self._incarnations["training"] = self._ping(self.training)["incarnation"]
         self.health.watch(self._role("training", lambda: self.training, self._restore_training))
         for _ in range(c.environment_replicas):
@@ -369,7 +369,7 @@ class RayRuntime:
         name = f"inference-{index}"
         handle = self._actor(InferenceActor, c.inference_actor, max_concurrency=4096).remote(
             c.named_backbones(), c.inference_queue, name, c.role_device("inference", index), c.torch_threads, c.dtype,
-            c.fuse_heads, c.group_cap, c.group_budget_s, c.prioritize_inference)
+            c.fuse_heads, c.group_cap, c.group_budget_s, c.prioritize_inference, c.max_adapters_per_group)
         self._incarnations[name] = self._ping(handle)["incarnation"]
         with self._lock:
             self.replicas[name] = handle

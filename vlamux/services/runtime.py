@@ -58,6 +58,9 @@ class RuntimeConfigBase:
     # `calibrate()`) and caps groups where a bigger one stops paying; None: groups are uncapped
     group_cap: str | None = "learned"
     group_budget_s: float | None = None  # and at most this long a group forward (latency)
+    # at most this many distinct tenants' adapters in one backbone call (each is one more segment of
+    # every adapted Linear); the others join the next group. None: no cap
+    max_adapters_per_group: int | None = None
     # Inference before training where they share a GPU or the services' own cores (vlamux.model.device:
     # stream priorities on CUDA, the training thread's nice on the embedded runtime's service_cpus);
     # False: the defaults.
@@ -69,6 +72,10 @@ class RuntimeConfigBase:
 
     def __post_init__(self):
         self.inference_devices = tuple(self.inference_devices)
+        if self.max_adapters_per_group is not None and (not isinstance(self.max_adapters_per_group, int)
+                                                        or self.max_adapters_per_group < 1):
+            raise ValueError(f"runtime config: max_adapters_per_group is a whole number >= 1 or None (no cap), "
+                             f"got {self.max_adapters_per_group!r}")
         for name in (self.device, self.training_device, *self.inference_devices):
             if name is not None and not isinstance(name, str):
                 raise ValueError(f"runtime config: devices are strings such as 'auto', 'cpu', 'cuda:1'; got {name!r}")
@@ -328,7 +335,8 @@ class EmbeddedRuntime:
         return TrainingModelService(held, self.publisher, self.config.max_staleness,
                                     self.config.max_group_rows, fuse_heads=self.config.fuse_heads,
                                     group_cap=self.config.group_cap, group_budget_s=self.config.group_budget_s,
-                                    priority=self.config.lane_priority("training"))
+                                    priority=self.config.lane_priority("training"),
+                                    max_adapters_per_group=self.config.max_adapters_per_group)
 
     def _restart_training(self) -> None:
         """Rebuild the training role; each tenant comes back from its last checkpoint, else from its
@@ -388,7 +396,8 @@ class EmbeddedRuntime:
         svc = InferenceModelService(list(self._backbones_on(self._devices[name]).values()),
                                     self.config.inference_queue, name, fuse_heads=self.config.fuse_heads,
                                     group_cap=self.config.group_cap, group_budget_s=self.config.group_budget_s,
-                                    priority=self.config.lane_priority("inference"))
+                                    priority=self.config.lane_priority("inference"),
+                                    max_adapters_per_group=self.config.max_adapters_per_group)
         self.publisher.subscribe(name, svc.stage_policy)
         for snap in self.book.snapshots():  # it serves every tenant from its newest version on
             svc.stage_policy(snap)

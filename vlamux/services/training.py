@@ -46,11 +46,12 @@ class TrainingModelService(EngineLoop):
     def __init__(self, backbone: Backbone | list[Backbone], publisher: PolicyPublisher | None = None,
                  max_staleness: int | None = None, max_group_rows: int | None = None, name: str = "training",
                  fuse_heads: bool = True, group_cap: str | None = None, group_budget_s: float | None = None,
-                 priority: str = "low"):
+                 priority: str = "low", max_adapters_per_group: int | None = None):
         self.name = name
         self.group_cap, self.group_budget_s = group_cap, group_budget_s
         # every backbone this service holds; "low": it yields shared cores or GPU to inference
-        self.runner = ModelRunner(backbone, fuse_heads=fuse_heads, priority=priority)
+        self.runner = ModelRunner(backbone, fuse_heads=fuse_heads, priority=priority,
+                                  max_adapters_per_group=max_adapters_per_group)
         self.backbone = self.runner.backbones[self.runner.default_backbone]
         self.publisher = publisher
         self.queue = TrainingQueue(self.version, max_staleness, max_group_rows)
