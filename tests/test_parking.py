@@ -129,3 +129,29 @@ def test_a_slot_unparks_only_onto_its_backbone(backbone):
         pytest.skip("the two tiny backbones share an id")
     with pytest.raises(InvalidInputError, match="parked from backbone"):
         unpark(parked, other.meta)
+
+
+def test_a_replicas_serving_copy_has_no_optimizer_and_parks_as_one(backbone):
+    """An inference replica's slot (made from a policy snapshot) holds the module and statistics only:
+    no optimizer, a forward_backward on it refused; parked, it is its parameters and statistics, and it
+    comes back a serving copy whose samples (its RNG included) are a never-parked replica's."""
+    trainer = runner(backbone, False)
+    moved, still = ModelRunner(backbone), ModelRunner(backbone)
+    for r in (moved, still):
+        r.apply_policy(trainer.slot("bolt").export_policy())
+    served = moved.slot("bolt")
+    assert served.optimizer is None and served.memory_bytes()["optimizer"] == 0
+    obs, act = make_batch(MOVED["bolt"][1], 2, torch.Generator().manual_seed(3))
+    with pytest.raises(InvalidInputError, match="serving copy"):
+        moved.execute([ForwardBackward("bolt", obs, act)])[0].unwrap()
+    for r in (moved, still):  # the flow head draws its starting noise from the slot's RNG
+        r.execute([Sample("bolt", obs)])
+    parked = park(served)
+    assert parked.nbytes().optimizer == 0 and parked.nbytes().params == sum(
+        v.numel() * v.element_size() for v in served.module_state().values())
+    moved.remove_slot("bolt")
+    moved.add_slot(unpark(parked, backbone.meta))
+    assert moved.slot("bolt").optimizer is None
+    for _ in range(2):
+        a, b = (r.execute([Sample("bolt", obs)])[0].unwrap() for r in (moved, still))
+        assert torch.equal(a["actions"], b["actions"]) and a["policy_version"] == b["policy_version"]

@@ -86,7 +86,7 @@ def unpark(parked: ParkedSlot, feature_meta: FeatureMeta, device="cpu", **backbo
                                 f"not {feature_meta.backbone_id!r}")
     slot = Slot(parked.tenant, HeadSpec.from_json(meta["head_spec"]), feature_meta,
                 OptimizerSpec(**json.loads(meta["optim_spec"])), seed=int(meta["seed"]), device=device, init=False,
-                **backbone)
+                trainable=meta.get("optimizer") != "none", **backbone)
     slot_file.restore(slot, tensors, meta)
     params = slot.params
     with torch.no_grad():

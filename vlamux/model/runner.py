@@ -148,7 +148,7 @@ class ModelRunner:
         with self.lane.active():
             if slot is None:
                 backbone = self._backbone(snap.backbone_id)
-                slot = Slot(snap.tenant, snap.head_spec, backbone.meta, device=backbone.device,
+                slot = Slot(snap.tenant, snap.head_spec, backbone.meta, device=backbone.device, trainable=False,
                             **self.adapter_targets(snap.backbone_id))
                 with self.lane.importing(snap.done):
                     slot.apply_policy(snap)

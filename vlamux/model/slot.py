@@ -52,12 +52,14 @@ class Slot:
     def __init__(self, tenant: str, head_spec: HeadSpec, feature_meta: FeatureMeta,
                  optim: OptimizerSpec | None = None, seed: int = 0, device: str | torch.device = "cpu",
                  adaptable: dict | None = None, lora_default: tuple[str, ...] = (), query_init: dict | None = None,
-                 init: bool = True):
+                 init: bool = True, trainable: bool = True):
         """adaptable / lora_default: the backbone's Linears an adapter may change and its default
         targets (`Backbone.adaptable`, `LORA_DEFAULT`), for a head spec that carries an adapter;
         query_init: how the backbone takes query tokens (`Backbone.query_init`), for one with query_tokens.
         init=False: the module's tensors are allocated, not initialised (a state is copied in next:
-        `vlamux.model.parking.unpark`), which skips the seeded initialisation's draws."""
+        `vlamux.model.parking.unpark`), which skips the seeded initialisation's draws.
+        trainable=False: a serving copy (an inference replica's, a standalone policy's): no optimizer,
+        and a forward_backward on it is refused."""
         if not tenant or not isinstance(tenant, str):
             raise ValueError(f"tenant must be a non-empty string, got {tenant!r}")
         self.tenant = tenant
@@ -87,7 +89,7 @@ class Slot:
         o = self.optim_spec
         # one optimizer over the tenant's whole module: head, then adapter, then query tokens
         self.optimizer = torch.optim.AdamW(self._module_params(), lr=o.lr, betas=o.betas, eps=o.eps,
-                                           weight_decay=o.weight_decay, fused=self.fused_step())
+                                           weight_decay=o.weight_decay, fused=self.fused_step()) if trainable else None
         # A CPU generator on every device: draws are made on the host and copied over (they are a few
         # numbers per action chunk), so a tenant's random stream is the same on a CPU and a GPU and
         # its state moves between them with a checkpoint, bit for bit.
@@ -192,6 +194,9 @@ class Slot:
             check_float_tensor("state", state, (batch, s))
         if not train:
             return RowInputs(state)
+        if self.optimizer is None:
+            raise InvalidInputError(f"tenant {self.tenant!r}: this slot is a serving copy (no optimizer); "
+                                    f"forward_backward runs on the training service")
         h, a = self.head_spec.horizon, self.head_spec.action_dim
         check_float_tensor("actions", actions, (batch, h, a))
         if action_mask is None:
@@ -404,7 +409,8 @@ class Slot:
         def size(ts):
             return sum(t.numel() * t.element_size() for t in ts)
 
-        optim = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, Tensor)]
+        states = self.optimizer.state.values() if self.optimizer is not None else ()
+        optim = [v for st in states for v in st.values() if isinstance(v, Tensor)]
         return {"head": size(self.head.parameters()),
                 "adapter": size(self.adapter.parameters()) if self.adapter is not None else 0,
                 "queries": size(self.queries.parameters()) if self.queries is not None else 0,
@@ -462,7 +468,8 @@ class Slot:
 
     def drop_gradients(self) -> None:
         """No gradients held: after an optimizer step, or a restored state."""
-        self.optimizer.zero_grad(set_to_none=True)
+        for p in self._module_params():
+            p.grad = None
         self.accumulated, self._grad_norm = 0, None
 
     @classmethod

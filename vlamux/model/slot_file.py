@@ -31,7 +31,7 @@ MODULE_PREFIXES = ("head.", "adapter.", "queries.")  # the tenant's module's ten
 
 def state_tensors(slot) -> tuple[dict[str, Tensor], dict[str, str]]:
     tensors = {k: v.detach().cpu().contiguous() for k, v in slot.module_state().items()}
-    opt = slot.optimizer.state_dict()
+    opt = slot.optimizer.state_dict() if slot.optimizer is not None else {"state": {}, "param_groups": []}
     for idx, st in opt["state"].items():
         for k, v in st.items():
             tensors[f"optim.{idx}.{k}"] = torch.as_tensor(v).detach().cpu().contiguous()
@@ -46,6 +46,8 @@ def state_tensors(slot) -> tuple[dict[str, Tensor], dict[str, str]]:
         "stats_modes": json.dumps({k: v.mode for k, v in slot.stats.items()}),
         "rng_device": "cpu",  # the generator's type (files of earlier versions may say "cuda")
     }
+    if slot.optimizer is None:
+        meta["optimizer"] = "none"  # a serving copy's
     return tensors, meta
 
 
@@ -91,9 +93,10 @@ def restore(slot, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
         if k.startswith("optim."):
             _, idx, name = k.split(".", 2)
             state.setdefault(int(idx), {})[name] = v
-    slot.optimizer.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
-    for group in slot.optimizer.param_groups:  # the kernel is this device's choice, not the file's
-        group["fused"], group["foreach"] = slot.fused_step(), None
+    if slot.optimizer is not None and meta.get("optimizer") != "none":
+        slot.optimizer.load_state_dict({"state": state, "param_groups": json.loads(meta["param_groups"])})
+        for group in slot.optimizer.param_groups:  # the kernel is this device's choice, not the file's
+            group["fused"], group["foreach"] = slot.fused_step(), None
     slot.optim_spec = type(slot.optim_spec)(**json.loads(meta["optim_spec"]))
     modes = json.loads(meta["stats_modes"])
     slot.stats = {k: NormStats.from_tensors(tensors, f"stats.{k}", m).to(slot.device) for k, m in modes.items()}
