@@ -1,0 +1,180 @@
+"""Which tenants' slots are resident, parked or stored: the pager decides, the service moves.
+
+A model service keeps the slots recent groups used resident (on its device), up to a byte budget, and
+the rest lower: parked (host memory) up to a second budget, stored (a slot file) beyond it. When a
+request needs a slot that is not resident, the least recently used resident slots that no group is
+using make room; a slot that cannot be made resident now (everything else in use) waits, and one
+larger than the whole budget can never be. A slot holding gradients not yet stepped is never stored
+(a slot file has none). This module only decides (`plan_pages` is a pure function, `Pager` its
+bookkeeping); `vlamux.model.parking` moves the tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+TIERS = ("resident", "parked", "stored")
+
+
+@dataclass(frozen=True)
+class SlotBudget:
+    resident_bytes: int | None = None  # None: no limit
+    parked_bytes: int | None = None
+
+
+@dataclass
+class SlotEntry:
+    tenant: str
+    tier: str
+    nbytes: int  # what the slot costs in its tier (parameters, and optimizer state where it trains)
+    last_used: int = 0  # the pager's group count when a group last used it
+    pinned: int = 0  # groups using it now: it stays resident until they finish
+    holds_gradients: bool = False
+
+
+@dataclass(frozen=True)
+class PagePlan:
+    load: list[str] = field(default_factory=list)  # to resident, in this order
+    park: list[str] = field(default_factory=list)  # resident -> parked
+    store: list[str] = field(default_factory=list)  # parked (or just parked) -> stored
+    waiting: list[str] = field(default_factory=list)  # wanted, not resident yet: room is in use
+    never: list[str] = field(default_factory=list)  # wanted, larger than the whole resident budget
+
+    @property
+    def moves(self) -> bool:
+        return bool(self.load or self.park or self.store)
+
+
+def plan_pages(entries: dict[str, SlotEntry], wanted: list[str], budget: SlotBudget) -> PagePlan:
+    """The moves that make `wanted` (oldest request first) resident within `budget`, and keep the parked
+    tier within its own, evicting least recently used first. Unknown tenants in `wanted` are ignored."""
+    plan = PagePlan()
+    tier = {t: e.tier for t, e in entries.items()}
+    used = {name: sum(e.nbytes for e in entries.values() if e.tier == name) for name in TIERS}
+    wanted = [t for t in dict.fromkeys(wanted) if t in entries]
+    keep = set(wanted)
+
+    def lru(name: str, ok) -> list[SlotEntry]:
+        return sorted((e for t, e in entries.items() if tier[t] == name and ok(e)), key=lambda e: e.last_used)
+
+    def evictable(e: SlotEntry) -> bool:
+        return not e.pinned and e.tenant not in keep
+
+    def park(e: SlotEntry) -> None:
+        tier[e.tenant] = "parked"
+        used["resident"] -= e.nbytes
+        used["parked"] += e.nbytes
+        plan.park.append(e.tenant)
+
+    limit = budget.resident_bytes
+    for t in wanted:
+        e = entries[t]
+        if tier[t] == "resident":
+            continue
+        if limit is not None and e.nbytes > limit:
+            plan.never.append(t)
+            continue
+        if limit is not None:  # the least recently used first, and none unless that makes room
+            room, victims = limit - used["resident"], []
+            for v in lru("resident", evictable):
+                if room >= e.nbytes:
+                    break
+                victims.append(v)
+                room += v.nbytes
+            if room < e.nbytes:
+                plan.waiting.append(t)
+                continue
+            for v in victims:
+                park(v)
+        used[tier[t]] -= e.nbytes
+        used["resident"] += e.nbytes
+        tier[t] = "resident"
+        plan.load.append(t)
+    if limit is not None:  # a budget lowered, or slots grown (optimizer state after a first step)
+        for e in lru("resident", evictable):
+            if used["resident"] <= limit:
+                break
+            park(e)
+    if budget.parked_bytes is not None:
+        for e in lru("parked", lambda e: not e.holds_gradients and e.tenant not in keep):
+            if used["parked"] <= budget.parked_bytes:
+                break
+            tier[e.tenant] = "stored"
+            used["parked"] -= e.nbytes
+            used["stored"] += e.nbytes
+            plan.store.append(e.tenant)
+    return plan
+
+
+class Pager:
+    """A service's slot directory by tier, with the group count that orders use. Thread-safe: requests
+    `want` from submitting threads, the engine `pin`s, `unpin`s and applies moves."""
+
+    def __init__(self, budget: SlotBudget | None = None):
+        self.budget = budget or SlotBudget()
+        self.entries: dict[str, SlotEntry] = {}
+        self.groups = 0
+        self._wanted: dict[str, None] = {}  # insertion-ordered: oldest request first
+        self._lock = threading.Lock()
+
+    def add(self, tenant: str, nbytes: int, tier: str = "resident") -> None:
+        if tier not in TIERS:
+            raise ValueError(f"slot tier: one of {TIERS}, got {tier!r}")
+        with self._lock:
+            self.entries[tenant] = SlotEntry(tenant, tier, nbytes, self.groups)
+
+    def remove(self, tenant: str) -> None:
+        with self._lock:
+            self.entries.pop(tenant, None)
+            self._wanted.pop(tenant, None)
+
+    def want(self, tenant: str) -> bool:
+        """A request needs `tenant`'s slot; True if it is resident already."""
+        with self._lock:
+            e = self.entries.get(tenant)
+            if e is None or e.tier == "resident":
+                return e is not None
+            self._wanted.setdefault(tenant)
+            return False
+
+    def pin(self, tenants) -> None:
+        with self._lock:
+            self.groups += 1
+            for t in tenants:
+                e = self.entries[t]
+                if e.tier != "resident":
+                    raise RuntimeError(f"tenant {t!r}: its slot is {e.tier}, not resident; a group cannot use it")
+                e.pinned += 1
+                e.last_used = self.groups
+
+    def unpin(self, tenants) -> None:
+        with self._lock:
+            for t in tenants:
+                if t in self.entries:
+                    self.entries[t].pinned -= 1
+
+    def plan(self) -> PagePlan:
+        with self._lock:
+            return plan_pages(self.entries, list(self._wanted), self.budget)
+
+    def moved(self, tenant: str, tier: str, nbytes: int | None = None, holds_gradients: bool | None = None) -> None:
+        """A move of the plan is done (the slot is in `tier` now)."""
+        with self._lock:
+            e = self.entries[tenant]
+            e.tier = tier
+            if nbytes is not None:
+                e.nbytes = nbytes
+            if holds_gradients is not None:
+                e.holds_gradients = holds_gradients
+            if tier == "resident":
+                self._wanted.pop(tenant, None)
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        """Count and bytes per tier, for metrics."""
+        with self._lock:
+            out = {name: {"count": 0, "bytes": 0} for name in TIERS}
+            for e in self.entries.values():
+                out[e.tier]["count"] += 1
+                out[e.tier]["bytes"] += e.nbytes
+            return out
