@@ -59,7 +59,7 @@ def test_random_plans_keep_every_rule():
         plan = plan_pages(e, wanted, budget)
         tier = {t: x.tier for t, x in e.items()}
         for t in plan.park:
-            assert tier[t] == "resident" and not e[t].pinned and t not in wanted
+            assert tier[t] == "resident" and not e[t].pinned and (t not in wanted or t in plan.never)
             tier[t] = "parked"
         for t in plan.load:
             assert t in wanted and tier[t] != "resident"
@@ -69,7 +69,9 @@ def test_random_plans_keep_every_rule():
             tier[t] = "stored"
         if plan.load:
             assert sum(e[t].nbytes for t in tier if tier[t] == "resident") <= budget.resident_bytes
-        assert set(plan.load) | set(plan.waiting) | set(plan.never) == {t for t in wanted if e[t].tier != "resident"}
+        assert set(plan.load) | set(plan.waiting) | (set(plan.never) - {t for t in wanted if e[t].tier == "resident"}) \
+            == {t for t in wanted if e[t].tier != "resident"}
+        assert all(e[t].nbytes > budget.resident_bytes for t in plan.never)
 
 
 def test_fifty_tenants_taking_turns_with_room_for_ten():

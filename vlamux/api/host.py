@@ -61,6 +61,8 @@ class ServiceConfig:
     # paying (vlamux/model/calibrate.py); None: groups are capped by the queues' batch rows only
     group_cap: str | None = "learned"
     max_adapters_per_group: int | None = None  # distinct tenants' adapters in one backbone call; None: no cap
+    slot_memory_mb: float | None = None  # serving slots a replica keeps resident (the rest paged); None: all
+    slot_host_mb: float | None = None  # parked ones in host memory (the rest stored on disk); None: all
     ray_address: str | None = None  # None: the embedded runtime; "local": a Ray instance of its own
     max_body_mb: float = 64.0  # msgpack bodies (observations, action batches)
     max_json_kb: float = 1024.0  # every other body (job specs, settings): parsed on the event loop
@@ -159,7 +161,8 @@ class ServiceHost:
                 "device": c.device, "dtype": c.dtype,
                 "training_device": c.training_device, "inference_devices": tuple(c.inference_devices),
                 "inference_replicas": c.inference_replicas, "group_cap": c.group_cap,
-                "max_adapters_per_group": c.max_adapters_per_group}
+                "max_adapters_per_group": c.max_adapters_per_group, "slot_memory_mb": c.slot_memory_mb,
+                "slot_host_mb": c.slot_host_mb}
 
     def stop(self) -> None:
         self._janitor_stop.set()

@@ -25,6 +25,7 @@ class EngineLoop:
     _calibration: Future | None = None  # asked for and not finished: every caller meanwhile gets this one
     _calibration_steps = None  # its probe, in steps (runner.calibration), once begun
     _calibration_lock = threading.Lock()
+    tiers = None  # a service that pages its slots (vlamux.services.slot_tiers.SlotTiers)
 
     def _loop(self) -> None:
         self.runner.lane.claim_thread()  # a low lane (training) yields shared cores to a high one
@@ -96,6 +97,8 @@ class EngineLoop:
             fut, self._calibration = self._calibration, None
         if fut is not None and not fut.done():
             fut.set_exception(RuntimeError(f"{self.name} stopped before its calibration ended"))
+        if self.tiers is not None:
+            self.tiers.close()
 
     def alive(self) -> bool:
         """Running and not stopped: a stopped engine takes no work even while its thread winds down."""
@@ -110,4 +113,5 @@ class EngineLoop:
                 "fused_calls": self.runner.fused.calls if self.runner.fused is not None else 0,
                 "memory": self.runner.pools.stats(), "adapters": dict(self.runner.adapter_stats),
                 "group_caps": {bid: c.describe() for bid, c in self.runner.group_curves.items()},
-                "tenant_memory": {t: s.memory_bytes() for t, s in list(self.runner.slots.items())}}
+                "tenant_memory": {t: s.memory_bytes() for t, s in list(self.runner.slots.items())},
+                **({"slots": self.tiers.metrics()} if self.tiers is not None else {})}

@@ -14,13 +14,15 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from vlamux.errors import UnknownTenantError
+from vlamux.errors import InvalidInputError, UnknownTenantError
 from vlamux.model import Backbone, ModelRunner, Observation, Sample
 from vlamux.model.snapshot import PolicySnapshot
 from vlamux.services.accounting import Accounting
 from vlamux.services.control import Retired
 from vlamux.services.engine import EngineLoop
+from vlamux.services.pager import SlotBudget
 from vlamux.services.queues import InferenceQueue, InferenceQueueConfig
+from vlamux.services.slot_tiers import SlotTiers
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +36,19 @@ class _Predict:
 class InferenceModelService(EngineLoop):
     def __init__(self, backbone: Backbone | list[Backbone], queue: InferenceQueueConfig | None = None,
                  name: str = "inference-0", fuse_heads: bool = True, group_cap: str | None = None,
-                 group_budget_s: float | None = None, priority: str = "high", max_adapters_per_group: int | None = None):
+                 group_budget_s: float | None = None, priority: str = "high", max_adapters_per_group: int | None = None,
+                 slot_budget: SlotBudget | None = None):
+        """slot_budget: keep at most this many bytes of serving slots resident (the least recently used
+        go to host memory, and to disk past its own budget; a request for one waits while it comes
+        back); None: every slot stays resident."""
         self.name = name
         self.group_cap, self.group_budget_s = group_cap, group_budget_s
         # every backbone the replica serves; "high": simulators wait on its answers (model.device)
         self.runner = ModelRunner(backbone, fuse_heads=fuse_heads, priority=priority,
                                   max_adapters_per_group=max_adapters_per_group)
         self.backbone = self.runner.backbones[self.runner.default_backbone]
-        self.queue = InferenceQueue(queue)
+        self.tiers = SlotTiers(self.runner, slot_budget) if slot_budget is not None else None
+        self.queue = InferenceQueue(queue, ready=self.tiers.resident if self.tiers is not None else None)
         self.accounting = Accounting()
         self._staged: dict[str, PolicySnapshot | Retired] = {}
         self._fresh: set[str] = set()  # staged after a retirement: replaces the slot, whatever its version
@@ -72,9 +79,18 @@ class InferenceModelService(EngineLoop):
         with self._staged_lock:
             (staged, self._staged), (fresh, self._fresh) = (self._staged, {}), (self._fresh, set())
             for tenant, snap in staged.items():
+                if self.tiers is not None and self.tiers.knows(tenant) and not self.tiers.resident(tenant):
+                    if isinstance(snap, Retired) or tenant in fresh:
+                        self.tiers.retire(tenant)
+                    else:  # applied when it is resident again (its parked RNG goes on under it)
+                        self._staged[tenant] = snap
+                        continue
                 slot = self.runner.slots.get(tenant)
                 if slot is not None and (isinstance(snap, Retired) or tenant in fresh):
-                    self.runner.remove_slot(tenant)
+                    if self.tiers is not None:
+                        self.tiers.retire(tenant)
+                    else:
+                        self.runner.remove_slot(tenant)
                     slot = None
                 if isinstance(snap, Retired):
                     self.queue.forget(tenant)
@@ -83,6 +99,8 @@ class InferenceModelService(EngineLoop):
                     continue
                 try:
                     self.runner.apply_policy(snap)
+                    if slot is None and self.tiers is not None:
+                        self.tiers.added(tenant)
                 except Exception:  # noqa: BLE001 - one tenant's bad snapshot must not cost the others theirs
                     log.exception("%s: applying tenant %r version %d failed", self.name, tenant, snap.version)
 
@@ -93,7 +111,8 @@ class InferenceModelService(EngineLoop):
             if isinstance(staged, Retired):
                 return None
             slot = self.runner.slots.get(tenant)
-            versions = [v for v in (staged and staged.version, slot and slot.version) if v is not None]
+            below = self.tiers.version(tenant) if self.tiers is not None else None
+            versions = [v for v in (staged and staged.version, slot and slot.version, below) if v is not None]
         return max(versions) if versions else None
 
     def serves(self, tenant: str) -> bool:
@@ -101,7 +120,7 @@ class InferenceModelService(EngineLoop):
             staged = self._staged.get(tenant)
             if staged is not None:
                 return not isinstance(staged, Retired)
-            return tenant in self.runner.slots
+            return tenant in self.runner.slots or (self.tiers is not None and self.tiers.knows(tenant))
 
     # ---- data plane -------------------------------------------------------------------------------
     def predict(self, tenant: str, obs: Observation, deterministic: bool = False,
@@ -109,6 +128,8 @@ class InferenceModelService(EngineLoop):
         """An action chunk for each observation: a future of {"actions": [B, H, A], "policy_version"}."""
         if not self.serves(tenant):
             raise UnknownTenantError(f"{self.name} has no policy for tenant {tenant!r}")
+        if self.tiers is not None:
+            self.tiers.pager.want(tenant)  # not resident: the engine loads it before a group can take it
         return self.queue.submit(tenant, obs.batch_size, _Predict(obs, deterministic), deadline_s)
 
     def run_once(self, timeout: float | None = 0.1) -> int:
@@ -116,9 +137,26 @@ class InferenceModelService(EngineLoop):
         group = self.queue.next_group(timeout)
         with self.runner.lane.active():  # this replica's own CUDA stream
             self._apply_staged()
-            if not group:
-                return 0
-            return self._serve(group)
+            if self.tiers is None:
+                return self._serve(group) if group else 0
+            tenants = [item.tenant for item in group if item.tenant in self.runner.slots]
+            self.tiers.pager.pin(tenants)  # a group's slots stay resident while it runs
+            try:
+                self._page()
+                return self._serve(group) if group else 0
+            finally:
+                self.tiers.pager.unpin(tenants)
+
+    def _page(self) -> None:
+        """Between two groups: the slots requests wait for come in, the least recently used go down."""
+        plan = self.tiers.page(self.queue.waiting_tenants())
+        for tenant in plan.never:
+            self.queue.fail(tenant, InvalidInputError(
+                f"{self.name}: the slot of tenant {tenant!r} ({self.tiers.pager.entries[tenant].nbytes} bytes) is "
+                f"larger than this replica's whole slot budget ({self.tiers.pager.budget.resident_bytes} bytes)"))
+        if plan.load:
+            self._apply_staged()  # versions staged while they were parked
+            self.queue.wake()
 
     def _serve(self, group) -> int:
         t0 = time.perf_counter()

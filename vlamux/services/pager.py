@@ -70,10 +70,12 @@ def plan_pages(entries: dict[str, SlotEntry], wanted: list[str], budget: SlotBud
     limit = budget.resident_bytes
     for t in wanted:
         e = entries[t]
-        if tier[t] == "resident":
-            continue
-        if limit is not None and e.nbytes > limit:
+        if limit is not None and e.nbytes > limit:  # made resident when it came (a new tenant): not to stay
             plan.never.append(t)
+            if tier[t] == "resident" and not e.pinned:
+                park(e)
+            continue
+        if tier[t] == "resident":
             continue
         if limit is not None:  # the least recently used first, and none unless that makes room
             room, victims = limit - used["resident"], []
@@ -123,6 +125,8 @@ class Pager:
             raise ValueError(f"slot tier: one of {TIERS}, got {tier!r}")
         with self._lock:
             self.entries[tenant] = SlotEntry(tenant, tier, nbytes, self.groups)
+            if tier == "resident":
+                self._wanted.pop(tenant, None)
 
     def remove(self, tenant: str) -> None:
         with self._lock:
@@ -130,11 +134,12 @@ class Pager:
             self._wanted.pop(tenant, None)
 
     def want(self, tenant: str) -> bool:
-        """A request needs `tenant`'s slot; True if it is resident already."""
+        """A request needs `tenant`'s slot (it may not be known yet: a policy on its way); True if it is
+        resident already. Wanted until it is resident."""
         with self._lock:
             e = self.entries.get(tenant)
-            if e is None or e.tier == "resident":
-                return e is not None
+            if e is not None and e.tier == "resident":
+                return True
             self._wanted.setdefault(tenant)
             return False
 
@@ -154,9 +159,10 @@ class Pager:
                 if t in self.entries:
                     self.entries[t].pinned -= 1
 
-    def plan(self) -> PagePlan:
+    def plan(self, waiting: list[str] = ()) -> PagePlan:
+        """The moves to make now; `waiting`: tenants with requests queued (oldest first), wanted as well."""
         with self._lock:
-            return plan_pages(self.entries, list(self._wanted), self.budget)
+            return plan_pages(self.entries, [*self._wanted, *waiting], self.budget)
 
     def moved(self, tenant: str, tier: str, nbytes: int | None = None, holds_gradients: bool | None = None) -> None:
         """A move of the plan is done (the slot is in `tier` now)."""

@@ -84,8 +84,11 @@ class InferenceQueueConfig:
 
 
 class InferenceQueue:
-    def __init__(self, config: InferenceQueueConfig | None = None):
+    def __init__(self, config: InferenceQueueConfig | None = None, ready: Callable[[str], bool] | None = None):
+        """ready: whether a tenant's requests may join a group now (its slot is resident, where a pager
+        moves slots); the others wait, counted for neither B nor T, until `wake`."""
         self.config = config or InferenceQueueConfig()
+        self.ready = ready
         self._pending: dict[str, collections.deque[Queued]] = collections.OrderedDict()
         self._served: dict[str, float] = {}  # virtual counter: rows served per tenant
         self._rows = 0
@@ -140,9 +143,32 @@ class InferenceQueue:
                     keep.append(item)
             self._pending[tenant] = keep
 
-    def _oldest(self) -> float | None:
-        heads = [q[0].enqueued for q in self._pending.values() if q]
+    def _takeable(self) -> list[str]:
+        return [t for t, q in self._pending.items() if q and (self.ready is None or self.ready(t))]
+
+    def _oldest(self, tenants: list[str]) -> float | None:
+        heads = [self._pending[t][0].enqueued for t in tenants]
         return min(heads) if heads else None
+
+    def waiting_tenants(self) -> list[str]:
+        """Tenants with requests queued, the oldest request's first."""
+        with self._cv:
+            return sorted((t for t, q in self._pending.items() if q), key=lambda t: self._pending[t][0].enqueued)
+
+    def fail(self, tenant: str, error: Exception) -> None:
+        """Answer every queued request of `tenant` with `error`."""
+        with self._cv:
+            for item in self._pending.get(tenant) or ():
+                self._rows -= item.rows
+                if not item.future.done():
+                    item.future.set_exception(error)
+            if tenant in self._pending:
+                self._pending[tenant] = collections.deque()
+
+    def wake(self) -> None:
+        """Tenants became ready (their slots resident): look again."""
+        with self._cv:
+            self._cv.notify_all()
 
     def next_group(self, timeout: float | None = None) -> list[Queued]:
         """Block until a group is due (or `timeout` passes, or the queue closes); return it, maybe empty."""
@@ -151,10 +177,12 @@ class InferenceQueue:
             while True:
                 now = time.monotonic()
                 self._expire(now)
-                oldest = self._oldest()
-                if oldest is not None and (self._rows >= self.config.batch_rows
+                takeable = self._takeable()
+                oldest = self._oldest(takeable)
+                rows = self._rows if self.ready is None else sum(i.rows for t in takeable for i in self._pending[t])
+                if oldest is not None and (rows >= self.config.batch_rows
                                            or now - oldest >= self.config.max_wait_s or self._closed):
-                    return self._take(now)
+                    return self._take(now, takeable)
                 if self._closed:
                     return []
                 waits = [] if end is None else [end - now]
@@ -167,11 +195,13 @@ class InferenceQueue:
                     return []
                 self._cv.wait(max(0.0, min(waits)) if waits else None)
 
-    def _take(self, now: float) -> list[Queued]:
+    def _take(self, now: float, takeable: list[str]) -> list[Queued]:
         group, rows = [], 0
-        while self._rows > 0:
-            tenant = min((t for t, q in self._pending.items() if q),
-                         key=lambda t: (self._served[t], self._pending[t][0].enqueued))
+        while True:
+            takeable = [t for t in takeable if self._pending[t]]
+            if not takeable:
+                break
+            tenant = min(takeable, key=lambda t: (self._served[t], self._pending[t][0].enqueued))
             item = self._pending[tenant][0]
             if group and rows + item.rows > self.config.batch_rows:
                 break

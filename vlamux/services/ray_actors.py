@@ -26,6 +26,7 @@ from vlamux.services import shipping
 from vlamux.services.control import PolicyPublisher
 from vlamux.services.environment import EnvironmentService
 from vlamux.services.inference import InferenceModelService
+from vlamux.services.pager import SlotBudget
 from vlamux.services.queues import InferenceQueueConfig
 from vlamux.services.runtime import lane_priority, placed_backbones
 from vlamux.services.shipping import Shipment
@@ -70,13 +71,14 @@ class InferenceActor(ServiceActor):
     def __init__(self, backbones: dict[str, BackboneSpec], queue: InferenceQueueConfig, name: str,
                  device: str = "auto", torch_threads: int | None = None, dtype: str = "auto", fuse_heads: bool = True,
                  group_cap: str | None = None, group_budget_s: float | None = None,
-                 prioritize_inference: bool = True, max_adapters_per_group: int | None = None):
+                 prioritize_inference: bool = True, max_adapters_per_group: int | None = None,
+                 slot_budget: SlotBudget | None = None):
         self._init(torch_threads)
         placed = list(placed_backbones(backbones, device, dtype).values())
         priority = lane_priority("inference", prioritize_inference, False, placed[0].device)
         self.svc = InferenceModelService(placed, queue, name, fuse_heads=fuse_heads, group_cap=group_cap,
                                          group_budget_s=group_budget_s, priority=priority,
-                                         max_adapters_per_group=max_adapters_per_group).start()
+                                         max_adapters_per_group=max_adapters_per_group, slot_budget=slot_budget).start()
 
     def stage_policy(self, snap: PolicySnapshot) -> None:
         self.svc.stage_policy(snap)

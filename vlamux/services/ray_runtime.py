@@ -369,7 +369,8 @@ class RayRuntime:
         name = f"inference-{index}"
         handle = self._actor(InferenceActor, c.inference_actor, max_concurrency=4096).remote(
             c.named_backbones(), c.inference_queue, name, c.role_device("inference", index), c.torch_threads, c.dtype,
-            c.fuse_heads, c.group_cap, c.group_budget_s, c.prioritize_inference, c.max_adapters_per_group)
+            c.fuse_heads, c.group_cap, c.group_budget_s, c.prioritize_inference, c.max_adapters_per_group,
+            c.slot_budget())
         self._incarnations[name] = self._ping(handle)["incarnation"]
         with self._lock:
             self.replicas[name] = handle

@@ -24,6 +24,7 @@ from vlamux.services.control import PolicyPublisher, Retired
 from vlamux.services.environment import EnvironmentService
 from vlamux.services.health import HealthManager, Role
 from vlamux.services.inference import InferenceModelService
+from vlamux.services.pager import SlotBudget
 from vlamux.services.queues import InferenceQueueConfig, QueueClosed
 from vlamux.services.routing import Router
 from vlamux.services.slot_book import SlotBook, SlotRecipe
@@ -61,6 +62,11 @@ class RuntimeConfigBase:
     # at most this many distinct tenants' adapters in one backbone call (each is one more segment of
     # every adapted Linear); the others join the next group. None: no cap
     max_adapters_per_group: int | None = None
+    # Serving slots an inference replica keeps resident, in MiB (the least recently used beyond it are
+    # parked in host memory, and past slot_host_mb stored on disk; a request for one waits while it
+    # comes back). None: every slot stays resident
+    slot_memory_mb: float | None = None
+    slot_host_mb: float | None = None
     # Inference before training where they share a GPU or the services' own cores (vlamux.model.device:
     # stream priorities on CUDA, the training thread's nice on the embedded runtime's service_cpus);
     # False: the defaults.
@@ -72,6 +78,10 @@ class RuntimeConfigBase:
 
     def __post_init__(self):
         self.inference_devices = tuple(self.inference_devices)
+        for name in ("slot_memory_mb", "slot_host_mb"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"runtime config: {name} is a positive number of MiB or None, got {value!r}")
         if self.max_adapters_per_group is not None and (not isinstance(self.max_adapters_per_group, int)
                                                         or self.max_adapters_per_group < 1):
             raise ValueError(f"runtime config: max_adapters_per_group is a whole number >= 1 or None (no cap), "
@@ -89,6 +99,14 @@ class RuntimeConfigBase:
                 raise ValueError(f"runtime config: two backbones are named {name!r}")
             out[name] = spec
         return out
+
+    def slot_budget(self) -> SlotBudget | None:
+        """An inference replica's slot budget (vlamux.services.pager), from slot_memory_mb / slot_host_mb."""
+        if self.slot_memory_mb is None:
+            return None
+        mib = 1 << 20
+        return SlotBudget(int(self.slot_memory_mb * mib),
+                          None if self.slot_host_mb is None else int(self.slot_host_mb * mib))
 
     def role_device(self, role: str, index: int = 0) -> str:
         """The device a role is placed on: "training" or "inference" (replica `index`), unresolved."""
@@ -397,7 +415,8 @@ class EmbeddedRuntime:
                                     self.config.inference_queue, name, fuse_heads=self.config.fuse_heads,
                                     group_cap=self.config.group_cap, group_budget_s=self.config.group_budget_s,
                                     priority=self.config.lane_priority("inference"),
-                                    max_adapters_per_group=self.config.max_adapters_per_group)
+                                    max_adapters_per_group=self.config.max_adapters_per_group,
+                                    slot_budget=self.config.slot_budget())
         self.publisher.subscribe(name, svc.stage_policy)
         for snap in self.book.snapshots():  # it serves every tenant from its newest version on
             svc.stage_policy(snap)

@@ -1,0 +1,139 @@
+"""An inference replica that pages its serving slots (slot_budget): tenants beyond the budget are
+parked or stored and come back when asked, answering as a replica that keeps every slot resident."""
+
+import random
+
+import pytest
+import torch
+
+from vlamux.errors import InvalidInputError
+from vlamux.model import HeadSpec, ModelRunner, OptimizerSpec
+from vlamux.model.synthetic import TaskProfile, make_batch
+from vlamux.services.inference import InferenceModelService
+from vlamux.services.pager import SlotBudget
+from vlamux.services.queues import InferenceQueueConfig
+
+PROFILE = TaskProfile({"top": (32, 32)}, 4, 6, 3, "reach the {color} block")
+HEAD = HeadSpec("gaussian", 4, 6, 3, width=16, depth=1)
+
+
+def trained(backbone, n):
+    r = ModelRunner(backbone)
+    for i in range(n):
+        r.create_slot(f"t{i:02d}", HEAD, OptimizerSpec(), seed=i)
+    return r
+
+
+def replica(backbone, trainer, budget=None):
+    svc = InferenceModelService(backbone, InferenceQueueConfig(batch_rows=4, max_wait_s=0.002), slot_budget=budget,
+                                group_cap=None)
+    for slot in trainer.slots.values():
+        svc.stage_policy(slot.export_policy())
+    return svc.start()
+
+
+def serving_bytes(trainer) -> int:
+    slot = next(iter(trainer.slots.values()))
+    return sum(v.numel() * v.element_size() for v in slot.module_state().values())
+
+
+def test_fifty_tenants_taking_turns_with_room_for_ten(backbone):
+    trainer = trained(backbone, 50)
+    paged = replica(backbone, trainer, SlotBudget(resident_bytes=10 * serving_bytes(trainer)))
+    free = replica(backbone, trainer)
+    try:
+        rng, g = random.Random(0), torch.Generator().manual_seed(0)
+        obs = {t: make_batch(PROFILE, 1, g)[0] for t in trainer.slots}
+        for turn in range(30):
+            tenants = rng.sample(sorted(trainer.slots), 5)  # five tenants ask at once, sampling from their RNG
+            got = [(paged.predict(t, obs[t]), free.predict(t, obs[t])) for t in tenants]
+            for t, (a, b) in zip(tenants, got):
+                a, b = a.result(60), b.result(60)
+                assert torch.allclose(a["actions"], b["actions"], atol=1e-5) and a["policy_version"] == 0, (turn, t)
+            slots = paged.metrics()["slots"]
+            assert slots["resident"]["count"] <= 10 and slots["resident"]["bytes"] <= 10 * serving_bytes(trainer)
+            assert slots["resident"]["count"] + slots["parked"]["count"] == 50
+        assert paged.metrics()["slots"]["moves"]["load"] > 0 and free.metrics().get("slots") is None
+    finally:
+        paged.stop()
+        free.stop()
+
+
+def test_a_version_staged_while_parked_is_served_when_it_returns(backbone):
+    trainer = trained(backbone, 2)
+    svc = replica(backbone, trainer, SlotBudget(resident_bytes=serving_bytes(trainer)))
+    try:
+        obs, act = make_batch(PROFILE, 1, torch.Generator().manual_seed(1))
+        assert svc.predict("t01", obs).result(60)["policy_version"] == 0  # t00 goes down to make room
+        trainer.slot("t00").forward_backward(trainer.backbones[trainer.default_backbone].forward_group(
+            [trainer.backbones[trainer.default_backbone].prepare(obs)])[0], obs.state, act)
+        trainer.slot("t00").optim_step()
+        svc.stage_policy(trainer.slot("t00").export_policy())
+        assert svc.policy_version("t00") == 1
+        out = svc.predict("t00", obs, deterministic=True).result(60)
+        assert out["policy_version"] == 1
+        ref = ModelRunner(trainer.backbones[trainer.default_backbone])
+        ref.apply_policy(trainer.slot("t00").export_policy())
+        from vlamux.model import Sample
+
+        expected = ref.execute([Sample("t00", obs, deterministic=True)])[0].unwrap()["actions"]
+        assert torch.allclose(out["actions"], expected, atol=1e-6)
+    finally:
+        svc.stop()
+
+
+def test_stored_slots_come_back_from_disk(backbone):
+    trainer = trained(backbone, 8)
+    one = serving_bytes(trainer)
+    paged = replica(backbone, trainer, SlotBudget(resident_bytes=2 * one, parked_bytes=2 * one))
+    free = replica(backbone, trainer)
+    try:
+        g = torch.Generator().manual_seed(2)
+        obs = {t: make_batch(PROFILE, 1, g)[0] for t in trainer.slots}
+        stored = 0
+        for _ in range(2):
+            for t in sorted(trainer.slots):
+                a, b = paged.predict(t, obs[t]).result(60), free.predict(t, obs[t]).result(60)
+                assert torch.allclose(a["actions"], b["actions"], atol=1e-5), t
+                stored = max(stored, paged.metrics()["slots"]["stored"]["count"])
+        moves = paged.metrics()["slots"]["moves"]
+        assert stored >= 4 and moves["store"] > 0 and moves["load"] >= 14  # most of them from disk
+    finally:
+        paged.stop()
+        free.stop()
+
+
+def test_a_slot_larger_than_the_whole_budget_is_refused_naming_both_sizes(backbone):
+    trainer = trained(backbone, 1)
+    svc = replica(backbone, trainer, SlotBudget(resident_bytes=1024))
+    try:
+        obs, _ = make_batch(PROFILE, 1, torch.Generator().manual_seed(3))
+        with pytest.raises(InvalidInputError, match=r"tenant 't00' \(\d+ bytes\) is larger than .* \(1024 bytes\)"):
+            svc.predict("t00", obs).result(60)
+    finally:
+        svc.stop()
+
+
+def test_the_runtime_pages_its_replicas_slots_within_slot_memory_mb():
+    from vlamux.model import BackboneSpec
+    from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
+
+    with pytest.raises(ValueError, match="slot_memory_mb"):
+        RuntimeConfig(backbone=BackboneSpec(preset="tiny"), slot_memory_mb=0)
+    one_mib_of_slots = 1.0  # a gaussian head of width 16 here is 35 kB: about 29 fit
+    rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset="tiny"), group_cap=None,
+                                       slot_memory_mb=one_mib_of_slots / 8)).start()
+    try:
+        for i in range(8):
+            rt.create_slot(f"t{i}", HEAD, OptimizerSpec(), seed=i).result(60)
+        assert rt.flush(30)
+        g = torch.Generator().manual_seed(4)
+        for _ in range(2):
+            for i in range(8):
+                obs, _ = make_batch(PROFILE, 1, g)
+                assert rt.predict(f"t{i}", obs).result(60)["policy_version"] == 0
+        slots = next(iter(rt.metrics()["inference"].values()))["slots"]
+        assert slots["resident"]["bytes"] <= (1 << 20) / 8 and slots["moves"]["load"] > 0
+        assert slots["resident"]["count"] + slots["parked"]["count"] == 8
+    finally:
+        rt.stop()
