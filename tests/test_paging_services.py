@@ -137,3 +137,39 @@ def test_the_runtime_pages_its_replicas_slots_within_slot_memory_mb():
         assert slots["resident"]["count"] + slots["parked"]["count"] == 8
     finally:
         rt.stop()
+
+
+def test_an_operator_sees_the_tiers_in_metrics(tmp_path):
+    """Through the HTTP API: a service whose replica keeps about two slots resident, five tenants'
+    training slots predicted in turn; /metrics shows the tiers' counts and bytes and the moves."""
+    import numpy as np
+
+    import vlamux
+    from api_server import running_server
+
+    head = {"kind": "gaussian", "action_dim": 4, "horizon": 4, "state_dim": 8, "width": 32}
+    with running_server(tmp_path, slot_memory_mb=0.4) as (url, admin_key, host):  # 2.4 slots of 172 kB
+        admin = vlamux.Client(url, api_key=admin_key, timeout_s=30)
+        rng = np.random.default_rng(0)
+        obs = {"images": {"agentview": rng.integers(0, 255, (1, 3, 32, 32), dtype=np.uint8)},
+               "state": rng.standard_normal((1, 8)).astype(np.float32), "instructions": ["touch the red cube"]}
+        clients = []
+        for i in range(5):
+            _, key = admin.admin.create_tenant(f"pager{i}")
+            c = vlamux.Client(url, api_key=key, timeout_s=30)
+            clients.append((c, c.training_client(head=head)))
+        for _ in range(2):
+            for c, tc in clients:
+                assert tc.policy().predict(obs)["actions"].shape == (1, 4, 4)
+        import httpx
+
+        text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {admin_key}"}, timeout=30).text
+        lines = [line for line in text.splitlines() if line.startswith(("vlamux_slot_tier", "vlamux_slot_moves"))]
+        values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines}
+        resident = values['vlamux_slot_tier{service="inference-0",tier="resident",what="count"}']
+        parked = values['vlamux_slot_tier{service="inference-0",tier="parked",what="count"}']
+        assert 1 <= resident <= 3 and resident + parked == 5, lines
+        assert values['vlamux_slot_moves_total{move="load",service="inference-0"}'] > 0, lines
+        for c, _ in clients:
+            c.close()
+        admin.close()

@@ -41,6 +41,11 @@ class _Collector:
                                        "(its head or imported expert, adapter, query tokens, optimizer state): "
                                        "the shared backbone is counted once, in vlamux_device_memory_bytes",
                                        labels=["service", "tenant", "part"])
+        tiers = GaugeMetricFamily("vlamux_slot_tier", "Serving slots of a replica that pages them (--slot-memory-mb), "
+                                  "by tier: resident (on its device), parked (host memory), stored (disk)",
+                                  labels=["service", "tier", "what"])
+        moves = CounterMetricFamily("vlamux_slot_moves", "Slot moves between tiers (park, store, load)",
+                                    labels=["service", "move"])
         pools_seen: dict = {}
         queues = [("training", "training", m["training"])] + [("inference", n, v) for n, v in m["inference"].items()]
         for queue, name, svc in queues:
@@ -62,6 +67,11 @@ class _Collector:
             for tenant, parts in (svc.get("tenant_memory") or {}).items():
                 for part, n in parts.items():
                     tenant_mem.add_metric([name, tenant, part], n)
+            for tier in ("resident", "parked", "stored") if svc.get("slots") else ():
+                tiers.add_metric([name, tier, "count"], svc["slots"][tier]["count"])
+                tiers.add_metric([name, tier, "bytes"], svc["slots"][tier]["bytes"])
+            for move, n in (svc.get("slots") or {}).get("moves", {}).items():
+                moves.add_metric([name, move], n)
             if "device" in svc:
                 info.add_metric([name, svc["device"], svc["dtype"], str(svc.get("fuse_heads", False)).lower()], 1)
             mem, device = svc.get("memory"), svc.get("device", "cpu")
@@ -76,7 +86,8 @@ class _Collector:
         env = m["environment"]
         util.add_metric(["environment"], env["utilization"])
         busy.add_metric(["environment"], env["busy_s"])
-        yield from (depth, wait, rows, reqs, util, busy, groups, slots, tenant_mem, memory, info, cap, curve)
+        yield from (depth, wait, rows, reqs, util, busy, groups, slots, tenant_mem, tiers, moves, memory, info, cap,
+                    curve)
         sessions = GaugeMetricFamily("vlamux_env_sessions", "Open simulator sessions")
         sessions.add_metric([], env["open_sessions"])
         yield sessions
