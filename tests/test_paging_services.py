@@ -173,3 +173,39 @@ def test_an_operator_sees_the_tiers_in_metrics(tmp_path):
         for c, _ in clients:
             c.close()
         admin.close()
+
+
+def test_a_stored_slot_read_back_does_not_hold_up_resident_tenants(backbone, monkeypatch):
+    """While a stored slot is read back (held here until the resident tenants have been served 20
+    times), their groups go on; then the stored tenant is answered as an unpaged replica answers."""
+    import threading
+
+    from vlamux.services import slot_tiers
+
+    trainer = trained(backbone, 4)
+    one = serving_bytes(trainer)
+    paged = replica(backbone, trainer, SlotBudget(resident_bytes=3 * one, parked_bytes=1))
+    free = replica(backbone, trainer)
+    gate, read = threading.Event(), slot_tiers.read_stored
+    monkeypatch.setattr(slot_tiers, "read_stored", lambda path: gate.wait(60) and read(path))
+    try:
+        g = torch.Generator().manual_seed(5)
+        obs = {t: make_batch(PROFILE, 1, g)[0] for t in trainer.slots}
+        for t in ("t01", "t02", "t03"):  # t01 is the least recently used resident slot
+            paged.predict(t, obs[t]).result(60)
+            free.predict(t, obs[t]).result(60)
+        assert paged.metrics()["slots"]["stored"]["count"] == 1  # t00, stored when the replica began
+        cold = paged.predict("t00", obs["t00"])
+        for _ in range(10):
+            for t in ("t02", "t03"):
+                a, b = paged.predict(t, obs[t]).result(60), free.predict(t, obs[t]).result(60)
+                assert torch.allclose(a["actions"], b["actions"], atol=1e-5)
+        assert not cold.done()
+        gate.set()
+        a, b = cold.result(60), free.predict("t00", obs["t00"]).result(60)
+        assert torch.allclose(a["actions"], b["actions"], atol=1e-5)
+        assert paged.metrics()["slots"]["moves"]["read"] >= 1
+    finally:
+        gate.set()
+        paged.stop()
+        free.stop()

@@ -149,7 +149,9 @@ class InferenceModelService(EngineLoop):
 
     def _page(self) -> None:
         """Between two groups: the slots requests wait for come in, the least recently used go down."""
-        plan = self.tiers.page(self.queue.waiting_tenants())
+        plan, failed = self.tiers.page(self.queue.waiting_tenants())
+        for tenant, error in failed.items():
+            self.queue.fail(tenant, error)
         for tenant in plan.never:
             self.queue.fail(tenant, InvalidInputError(
                 f"{self.name}: the slot of tenant {tenant!r} ({self.tiers.pager.entries[tenant].nbytes} bytes) is "

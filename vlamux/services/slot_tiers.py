@@ -3,7 +3,9 @@
 The runner holds the resident slots (its `slots` are those, and only those); this holds the parked
 ones (`ParkedSlot`s in host memory) and the stored ones (slot files in a spool directory of its own,
 scratch: never read after a restart, when jobs resume from their checkpoints), and applies the
-pager's plan between two groups, on the engine thread, which alone changes the runner's slots.
+pager's plan between two groups, on the engine thread, which alone changes the runner's slots. A
+stored slot is read back (and verified) on a loader thread of its own, so the groups of resident
+tenants go on meanwhile; once read it is parked, and a next round makes it resident.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import hashlib
 import logging
 import shutil
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from vlamux.model import ModelRunner
@@ -32,7 +35,9 @@ class SlotTiers:
         self.parked: dict[str, ParkedSlot] = {}
         self.versions: dict[str, int] = {}  # of the slots below resident
         self._spool: Path | None = None
-        self.moves = {"park": 0, "store": 0, "load": 0}
+        self.moves = {"park": 0, "store": 0, "load": 0, "read": 0}
+        self._reading: dict[str, Future] = {}  # stored slots being read back
+        self._loader: ThreadPoolExecutor | None = None
 
     def knows(self, tenant: str) -> bool:
         return tenant in self.pager.entries
@@ -50,13 +55,19 @@ class SlotTiers:
             self.runner.remove_slot(tenant)
         self.parked.pop(tenant, None)
         self.versions.pop(tenant, None)
+        reading = self._reading.pop(tenant, None)
+        if reading is not None:
+            reading.cancel()
         if self._spool is not None:
             self._path(tenant).unlink(missing_ok=True)
         self.pager.remove(tenant)
 
-    def page(self, waiting: list[str] = ()) -> PagePlan:
-        """Apply the pager's plan now (`waiting`: tenants with requests queued): park, store, then load.
-        Returns it (its `never`: tenants whose slot can never be resident, to be refused by the caller)."""
+    def page(self, waiting: list[str] = ()) -> tuple[PagePlan, dict[str, Exception]]:
+        """Apply the pager's plan now (`waiting`: tenants with requests queued): park, store, then load
+        what is in host memory and start reading what is on disk. Returns the plan (its `never`: tenants
+        whose slot can never be resident) and the tenants whose stored slot failed to read, with why: the
+        caller answers their requests."""
+        failed = self._read_back()
         plan = self.pager.plan(waiting)
         for t in plan.park:
             slot = self.runner.remove_slot(t)
@@ -68,14 +79,40 @@ class SlotTiers:
             self.pager.moved(t, "stored")
             self.moves["store"] += 1
         for t in plan.load:
-            parked = self.parked.pop(t, None) or read_stored(self._path(t))
+            parked = self.parked.pop(t, None)
+            if parked is None:  # on disk: read on the loader thread; resident on a later round
+                if t not in self._reading:
+                    self._reading[t] = self._reader().submit(read_stored, self._path(t))
+                continue
             backbone = self.runner.backbones[parked.backbone_id]
             slot = unpark(parked, backbone.meta, backbone.device, **self.runner.adapter_targets(parked.backbone_id))
             self.runner.add_slot(slot)
             self.versions.pop(t, None)
             self.pager.moved(t, "resident", nbytes=slot_nbytes(slot))
             self.moves["load"] += 1
-        return plan
+        return plan, failed
+
+    def _read_back(self) -> dict[str, Exception]:
+        """Stored slots read since the last round become parked."""
+        failed = {}
+        for t, reading in list(self._reading.items()):
+            if not reading.done():
+                continue
+            del self._reading[t]
+            try:
+                self.parked[t] = reading.result()
+            except Exception as e:  # noqa: BLE001 - that tenant's requests are answered with it
+                log.exception("reading tenant %r's stored slot back failed", t)
+                failed[t] = e
+                continue
+            self.pager.moved(t, "parked")
+            self.moves["read"] += 1
+        return failed
+
+    def _reader(self) -> ThreadPoolExecutor:
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="vlamux-slot-loader")
+        return self._loader
 
     def version(self, tenant: str) -> int | None:
         slot = self.runner.slots.get(tenant)
@@ -87,6 +124,8 @@ class SlotTiers:
                 "budget": {"resident_bytes": budget.resident_bytes, "parked_bytes": budget.parked_bytes}}
 
     def close(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=False, cancel_futures=True)
         if self._spool is not None:
             shutil.rmtree(self._spool, ignore_errors=True)
 
