@@ -209,3 +209,40 @@ def test_a_stored_slot_read_back_does_not_hold_up_resident_tenants(backbone, mon
         gate.set()
         paged.stop()
         free.stop()
+
+
+def test_a_failed_move_leaves_the_slot_where_it_was_and_a_retired_one_is_answered_at_once(backbone, monkeypatch):
+    """A full disk while storing: the slot stays parked and is served (the store is tried again later);
+    a tenant retired while its slot is parked: its waiting request is answered at once, not at its deadline."""
+    from vlamux.errors import UnknownTenantError
+    from vlamux.services import slot_tiers
+    from vlamux.services.control import Retired
+
+    trainer = trained(backbone, 3)
+    one = serving_bytes(trainer)
+    free = replica(backbone, trainer)
+
+    def full_disk(parked, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(slot_tiers, "store", full_disk)
+    paged = replica(backbone, trainer, SlotBudget(resident_bytes=one, parked_bytes=1))
+    try:
+        g = torch.Generator().manual_seed(6)
+        obs = {t: make_batch(PROFILE, 1, g)[0] for t in trainer.slots}
+        for t in sorted(trainer.slots):
+            a, b = paged.predict(t, obs[t]).result(60), free.predict(t, obs[t]).result(60)
+            assert torch.allclose(a["actions"], b["actions"], atol=1e-5), t
+        slots = paged.metrics()["slots"]
+        assert slots["stored"]["count"] == 0 and slots["resident"]["count"] + slots["parked"]["count"] == 3
+        parked = next(t for t in sorted(trainer.slots) if t not in paged.runner.slots)
+        waiting = paged.predict(parked, obs[parked])
+        paged.stage_policy(Retired(parked))
+        try:  # served if its slot came back before the retirement landed, else refused: never left to wait
+            waiting.result(5)
+        except UnknownTenantError:
+            pass
+        assert not paged.serves(parked)
+    finally:
+        paged.stop()
+        free.stop()

@@ -4,6 +4,8 @@ serving action requests from its Inference Queue with group batching.
 A request's life: `predict` puts it on the queue (a future comes back) -> the engine thread takes
 a due group -> applies any staged policy versions (between groups, so a group never mixes versions)
 -> one grouped runner call -> each request's future gets {actions, policy_version}.
+With a slot budget, a request whose tenant's slot is parked or stored waits in the queue (no group
+takes it) while the engine brings the slot back between two groups (`vlamux.services.slot_tiers`).
 """
 
 from __future__ import annotations
@@ -82,6 +84,9 @@ class InferenceModelService(EngineLoop):
                 if self.tiers is not None and self.tiers.knows(tenant) and not self.tiers.resident(tenant):
                     if isinstance(snap, Retired) or tenant in fresh:
                         self.tiers.retire(tenant)
+                        if isinstance(snap, Retired):  # what waits for its slot would wait for nothing
+                            self.queue.fail(tenant, UnknownTenantError(f"{self.name}: tenant {tenant!r} is "
+                                                                       f"no longer served"))
                     else:  # applied when it is resident again (its parked RNG goes on under it)
                         self._staged[tenant] = snap
                         continue
@@ -101,8 +106,11 @@ class InferenceModelService(EngineLoop):
                     self.runner.apply_policy(snap)
                     if slot is None and self.tiers is not None:
                         self.tiers.added(tenant)
-                except Exception:  # noqa: BLE001 - one tenant's bad snapshot must not cost the others theirs
+                except Exception as e:  # noqa: BLE001 - one tenant's bad snapshot must not cost the others theirs
                     log.exception("%s: applying tenant %r version %d failed", self.name, tenant, snap.version)
+                    if slot is None and self.tiers is not None:  # nothing to serve: what waits for it is answered
+                        self.tiers.pager.remove(tenant)
+                        self.queue.fail(tenant, e)
 
     def policy_version(self, tenant: str) -> int | None:
         """The version the tenant's next group will be served with (a staged one counts)."""
@@ -142,7 +150,10 @@ class InferenceModelService(EngineLoop):
             tenants = [item.tenant for item in group if item.tenant in self.runner.slots]
             self.tiers.pager.pin(tenants)  # a group's slots stay resident while it runs
             try:
-                self._page()
+                try:
+                    self._page()
+                except Exception:  # noqa: BLE001 - paging failed (it is tried again next round): the group runs
+                    log.exception("%s: paging slots failed", self.name)
                 return self._serve(group) if group else 0
             finally:
                 self.tiers.pager.unpin(tenants)
@@ -156,9 +167,8 @@ class InferenceModelService(EngineLoop):
             self.queue.fail(tenant, InvalidInputError(
                 f"{self.name}: the slot of tenant {tenant!r} ({self.tiers.pager.entries[tenant].nbytes} bytes) is "
                 f"larger than this replica's whole slot budget ({self.tiers.pager.budget.resident_bytes} bytes)"))
-        if plan.load:
-            self._apply_staged()  # versions staged while they were parked
-            self.queue.wake()
+        # versions staged while they were parked apply at the next round's start, before any group of
+        # theirs (not here: this round's group is pinned, and a retirement now would unpin it)
 
     def _serve(self, group) -> int:
         t0 = time.perf_counter()

@@ -54,12 +54,16 @@ def plan_pages(entries: dict[str, SlotEntry], wanted: list[str], budget: SlotBud
     used = {name: sum(e.nbytes for e in entries.values() if e.tier == name) for name in TIERS}
     wanted = [t for t in dict.fromkeys(wanted) if t in entries]
     keep = set(wanted)
+    older: set[str] = set()  # wanted tenants whose requests are older than the one being placed
 
     def lru(name: str, ok) -> list[SlotEntry]:
         return sorted((e for t, e in entries.items() if tier[t] == name and ok(e)), key=lambda e: e.last_used)
 
     def evictable(e: SlotEntry) -> bool:
         return not e.pinned and e.tenant not in keep
+
+    def evictable_for_older(e: SlotEntry) -> bool:  # a newer request's slot gives way to an older one's
+        return not e.pinned and e.tenant not in older
 
     def park(e: SlotEntry) -> None:
         tier[e.tenant] = "parked"
@@ -69,6 +73,7 @@ def plan_pages(entries: dict[str, SlotEntry], wanted: list[str], budget: SlotBud
 
     limit = budget.resident_bytes
     for t in wanted:
+        older.add(t)
         e = entries[t]
         if limit is not None and e.nbytes > limit:  # made resident when it came (a new tenant): not to stay
             plan.never.append(t)
@@ -79,7 +84,7 @@ def plan_pages(entries: dict[str, SlotEntry], wanted: list[str], budget: SlotBud
             continue
         if limit is not None:  # the least recently used first, and none unless that makes room
             room, victims = limit - used["resident"], []
-            for v in lru("resident", evictable):
+            for v in lru("resident", evictable_for_older):
                 if room >= e.nbytes:
                     break
                 victims.append(v)
@@ -124,7 +129,8 @@ class Pager:
         if tier not in TIERS:
             raise ValueError(f"slot tier: one of {TIERS}, got {tier!r}")
         with self._lock:
-            self.entries[tenant] = SlotEntry(tenant, tier, nbytes, self.groups)
+            old = self.entries.get(tenant)  # replaced (a tenant served afresh): groups using it still do
+            self.entries[tenant] = SlotEntry(tenant, tier, nbytes, self.groups, old.pinned if old else 0)
             if tier == "resident":
                 self._wanted.pop(tenant, None)
 
@@ -157,7 +163,7 @@ class Pager:
         with self._lock:
             for t in tenants:
                 if t in self.entries:
-                    self.entries[t].pinned -= 1
+                    self.entries[t].pinned = max(0, self.entries[t].pinned - 1)
 
     def plan(self, waiting: list[str] = ()) -> PagePlan:
         """The moves to make now; `waiting`: tenants with requests queued (oldest first), wanted as well."""

@@ -86,7 +86,8 @@ class InferenceQueueConfig:
 class InferenceQueue:
     def __init__(self, config: InferenceQueueConfig | None = None, ready: Callable[[str], bool] | None = None):
         """ready: whether a tenant's requests may join a group now (its slot is resident, where a pager
-        moves slots); the others wait, counted for neither B nor T, until `wake`."""
+        moves slots); the others wait, counted for neither B nor T, until it says True (asked again at
+        every look)."""
         self.config = config or InferenceQueueConfig()
         self.ready = ready
         self._pending: dict[str, collections.deque[Queued]] = collections.OrderedDict()
@@ -164,11 +165,6 @@ class InferenceQueue:
                     item.future.set_exception(error)
             if tenant in self._pending:
                 self._pending[tenant] = collections.deque()
-
-    def wake(self) -> None:
-        """Tenants became ready (their slots resident): look again."""
-        with self._cv:
-            self._cv.notify_all()
 
     def next_group(self, timeout: float | None = None) -> list[Queued]:
         """Block until a group is due (or `timeout` passes, or the queue closes); return it, maybe empty."""

@@ -69,17 +69,25 @@ class SlotTiers:
         caller answers their requests."""
         failed = self._read_back()
         plan = self.pager.plan(waiting)
+        # Each move copies first and lets go of the old copy only once the new one exists: a move that
+        # fails (no memory, a full disk) leaves the slot where it was, and the next round tries again.
         for t in plan.park:
-            slot = self.runner.remove_slot(t)
+            slot = self.runner.slots[t]
             self.parked[t], self.versions[t] = park(slot), slot.version
+            self.runner.remove_slot(t)
             self.pager.moved(t, "parked", holds_gradients=slot.accumulated > 0)
             self.moves["park"] += 1
         for t in plan.store:
-            store(self.parked.pop(t), self._path(t))
+            try:
+                store(self.parked[t], self._path(t))
+            except OSError:  # a full disk: it stays parked, over the host budget; the loads below go on
+                log.exception("storing tenant %r's slot failed; it stays in host memory", t)
+                continue
+            del self.parked[t]
             self.pager.moved(t, "stored")
             self.moves["store"] += 1
         for t in plan.load:
-            parked = self.parked.pop(t, None)
+            parked = self.parked.get(t)
             if parked is None:  # on disk: read on the loader thread; resident on a later round
                 if t not in self._reading:
                     self._reading[t] = self._reader().submit(read_stored, self._path(t))
@@ -87,6 +95,7 @@ class SlotTiers:
             backbone = self.runner.backbones[parked.backbone_id]
             slot = unpark(parked, backbone.meta, backbone.device, **self.runner.adapter_targets(parked.backbone_id))
             self.runner.add_slot(slot)
+            del self.parked[t]
             self.versions.pop(t, None)
             self.pager.moved(t, "resident", nbytes=slot_nbytes(slot))
             self.moves["load"] += 1
@@ -102,9 +111,12 @@ class SlotTiers:
             try:
                 self.parked[t] = reading.result()
             except Exception as e:  # noqa: BLE001 - that tenant's requests are answered with it
+                # its only copy is unreadable: the slot is lost here (a new policy version brings it back)
                 log.exception("reading tenant %r's stored slot back failed", t)
                 failed[t] = e
+                self.retire(t)
                 continue
+            self._path(t).unlink(missing_ok=True)  # parked now: the file was its only use
             self.pager.moved(t, "parked")
             self.moves["read"] += 1
         return failed
