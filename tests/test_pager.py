@@ -93,8 +93,8 @@ def test_fifty_tenants_taking_turns_with_room_for_ten():
     rng, served, in_group = random.Random(1), 0, set()
     for turn in range(500):
         t = f"t{rng.randrange(50)}" if turn % 3 else f"t{turn % 50}"
-        if not pager.want(t):
-            plan = pager.plan()
+        if not pager.resident(t):
+            plan = pager.plan([t])
             assert not (set(plan.park) | set(plan.store)) & in_group
             for name in plan.park:
                 pager.moved(name, "parked")

@@ -68,7 +68,8 @@ class ParkedSlot:
 def park(slot: Slot) -> ParkedSlot:
     """A copy of all of `slot`'s state on the host (the slot itself is left as it was)."""
     tensors, meta = slot_file.state_tensors(slot)
-    tensors = {k: v.to("cpu", copy=True) for k, v in tensors.items()}  # on a CPU .cpu() aliased the slot's
+    if slot.device.type == "cpu":  # there state_tensors' .cpu() aliased the slot's own (elsewhere they are copies)
+        tensors = {k: v.clone() for k, v in tensors.items()}
     for i, p in enumerate(slot.params):
         if p.grad is not None:
             tensors[f"grad.{i}"] = p.grad.detach().to("cpu", copy=True)

@@ -81,25 +81,21 @@ class InferenceModelService(EngineLoop):
         with self._staged_lock:
             (staged, self._staged), (fresh, self._fresh) = (self._staged, {}), (self._fresh, set())
             for tenant, snap in staged.items():
-                if self.tiers is not None and self.tiers.knows(tenant) and not self.tiers.resident(tenant):
-                    if isinstance(snap, Retired) or tenant in fresh:
-                        self.tiers.retire(tenant)
-                        if isinstance(snap, Retired):  # what waits for its slot would wait for nothing
-                            self.queue.fail(tenant, UnknownTenantError(f"{self.name}: tenant {tenant!r} is "
-                                                                       f"no longer served"))
-                    else:  # applied when it is resident again (its parked RNG goes on under it)
-                        self._staged[tenant] = snap
-                        continue
-                slot = self.runner.slots.get(tenant)
-                if slot is not None and (isinstance(snap, Retired) or tenant in fresh):
+                if isinstance(snap, Retired) or tenant in fresh:  # its slot goes, from whichever tier
                     if self.tiers is not None:
                         self.tiers.retire(tenant)
-                    else:
+                    elif tenant in self.runner.slots:
                         self.runner.remove_slot(tenant)
-                    slot = None
+                elif self.tiers is not None and self.tiers.knows(tenant) and not self.tiers.resident(tenant):
+                    self._staged[tenant] = snap  # applied once resident again (its parked RNG goes on)
+                    continue
                 if isinstance(snap, Retired):
+                    if self.tiers is not None:  # its requests would wait for a slot that will not come
+                        self.queue.fail(tenant, UnknownTenantError(f"{self.name}: tenant {tenant!r} is no "
+                                                                   f"longer served"))
                     self.queue.forget(tenant)
                     continue
+                slot = self.runner.slots.get(tenant)
                 if slot is not None and snap.version < slot.version:
                     continue
                 try:
@@ -109,7 +105,6 @@ class InferenceModelService(EngineLoop):
                 except Exception as e:  # noqa: BLE001 - one tenant's bad snapshot must not cost the others theirs
                     log.exception("%s: applying tenant %r version %d failed", self.name, tenant, snap.version)
                     if slot is None and self.tiers is not None:  # nothing to serve: what waits for it is answered
-                        self.tiers.pager.remove(tenant)
                         self.queue.fail(tenant, e)
 
     def policy_version(self, tenant: str) -> int | None:
@@ -136,8 +131,6 @@ class InferenceModelService(EngineLoop):
         """An action chunk for each observation: a future of {"actions": [B, H, A], "policy_version"}."""
         if not self.serves(tenant):
             raise UnknownTenantError(f"{self.name} has no policy for tenant {tenant!r}")
-        if self.tiers is not None:
-            self.tiers.pager.want(tenant)  # not resident: the engine loads it before a group can take it
         return self.queue.submit(tenant, obs.batch_size, _Predict(obs, deterministic), deadline_s)
 
     def run_once(self, timeout: float | None = 0.1) -> int:

@@ -115,14 +115,14 @@ def plan_pages(entries: dict[str, SlotEntry], wanted: list[str], budget: SlotBud
 
 
 class Pager:
-    """A service's slot directory by tier, with the group count that orders use. Thread-safe: requests
-    `want` from submitting threads, the engine `pin`s, `unpin`s and applies moves."""
+    """A service's slot directory by tier, with the group count that orders use. Which slots are wanted
+    is not kept here: it is the tenants whose requests wait in the service's queue (`plan(waiting)`).
+    Thread-safe: metrics read it while the engine `pin`s, `unpin`s and applies moves."""
 
     def __init__(self, budget: SlotBudget | None = None):
         self.budget = budget or SlotBudget()
         self.entries: dict[str, SlotEntry] = {}
         self.groups = 0
-        self._wanted: dict[str, None] = {}  # insertion-ordered: oldest request first
         self._lock = threading.Lock()
 
     def add(self, tenant: str, nbytes: int, tier: str = "resident") -> None:
@@ -131,23 +131,14 @@ class Pager:
         with self._lock:
             old = self.entries.get(tenant)  # replaced (a tenant served afresh): groups using it still do
             self.entries[tenant] = SlotEntry(tenant, tier, nbytes, self.groups, old.pinned if old else 0)
-            if tier == "resident":
-                self._wanted.pop(tenant, None)
 
     def remove(self, tenant: str) -> None:
         with self._lock:
             self.entries.pop(tenant, None)
-            self._wanted.pop(tenant, None)
 
-    def want(self, tenant: str) -> bool:
-        """A request needs `tenant`'s slot (it may not be known yet: a policy on its way); True if it is
-        resident already. Wanted until it is resident."""
-        with self._lock:
-            e = self.entries.get(tenant)
-            if e is not None and e.tier == "resident":
-                return True
-            self._wanted.setdefault(tenant)
-            return False
+    def resident(self, tenant: str) -> bool:
+        e = self.entries.get(tenant)
+        return e is not None and e.tier == "resident"
 
     def pin(self, tenants) -> None:
         with self._lock:
@@ -166,9 +157,9 @@ class Pager:
                     self.entries[t].pinned = max(0, self.entries[t].pinned - 1)
 
     def plan(self, waiting: list[str] = ()) -> PagePlan:
-        """The moves to make now; `waiting`: tenants with requests queued (oldest first), wanted as well."""
+        """The moves to make now; `waiting`: tenants with requests queued, the oldest request's first."""
         with self._lock:
-            return plan_pages(self.entries, [*self._wanted, *waiting], self.budget)
+            return plan_pages(self.entries, list(waiting), self.budget)
 
     def moved(self, tenant: str, tier: str, nbytes: int | None = None, holds_gradients: bool | None = None) -> None:
         """A move of the plan is done (the slot is in `tier` now)."""
@@ -179,8 +170,6 @@ class Pager:
                 e.nbytes = nbytes
             if holds_gradients is not None:
                 e.holds_gradients = holds_gradients
-            if tier == "resident":
-                self._wanted.pop(tenant, None)
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Count and bytes per tier, for metrics."""
