@@ -115,7 +115,7 @@ def test_demos_submit_watch_jobs_logs_usage(server, tenant, tmp_path):
     job_id = re.search(r"submitted job (\w+)", r.stdout).group(1)
     assert f"job {job_id} succeeded" in r.stdout and "cli-sft sft" in r.stderr  # the progress bar
     r = run(server, "jobs", "--state", "succeeded", key=tenant["key"])
-    assert r.exit_code == 0 and r.stdout.splitlines()[0].split() == ["ID", "NAME", "KIND", "STATE", "CREATED"]
+    assert r.exit_code == 0 and r.stdout.splitlines()[0].split() == ["ID", "NAME", "KIND", "STATE", "QUEUE", "CREATED"]
     assert re.search(rf"{job_id}\s+cli-sft\s+sft\s+succeeded", r.stdout)
     r = run(server, "job", job_id, key=tenant["key"])
     assert r.exit_code == 0 and json.loads(r.stdout)["progress"]["step"] == 4

@@ -16,9 +16,13 @@ def test_a_tenant_with_many_queued_jobs_does_not_hold_the_others_back():
     waiting = [w(f"a{i}", "alice", i) for i in range(5)] + [w("b0", "bob", 10), w("c0", "carol", 11), w("b1", "bob", 12)]
     order = [x.job_id for x in fair_order(waiting, [])]
     assert order == ["a0", "b0", "c0", "a1", "b1", "a2", "a3", "a4"]
-    # a tenant already running takes its turn after those who are not
+    # a tenant already running takes its turn after those who are not; then, at equal load, the tenant
+    # that started a job least recently (bob's started before alice's next could)
     running = [Running("r", "bob", "sft", ONE, 0.0, 0.5)]
-    assert [x.job_id for x in fair_order(waiting, running)][:3] == ["a0", "c0", "a1"]
+    assert [x.job_id for x in fair_order(waiting, running)][:4] == ["a0", "c0", "b0", "a1"]
+    # a tenant whose job just ended goes after one that waited behind it
+    assert [x.job_id for x in fair_order([w("a1", "alice", 1), w("b0", "bob", 10)], [], {"alice": 50.0})] == \
+        ["b0", "a1"]
 
 
 def test_each_tenants_jobs_start_oldest_first_and_every_job_once():

@@ -24,8 +24,9 @@ class ApiError(Exception):
         self.status, self.type, self.message, self.field, self.headers = status, type_, message, field, headers
 
 
-def error_response(status: int, type_: str, message: str, field: str | None = None, headers=None) -> JSONResponse:
-    body = {"error": {"type": type_, "message": public_message(message)}}
+def error_response(status: int, type_: str, message: str, field: str | None = None, headers=None,
+                   **extra) -> JSONResponse:
+    body = {"error": {"type": type_, "message": public_message(message), **extra}}
     if field:
         body["error"]["field"] = field
     return JSONResponse(body, status_code=status, headers=headers)
@@ -43,7 +44,8 @@ def translate(e: Exception) -> JSONResponse:
     if isinstance(e, QuotaExceeded):
         retry = max(1, math.ceil(e.retry_after_s))
         kind = "rate_limited" if str(e).startswith("rate") else "quota_exceeded"
-        return error_response(429, kind, str(e), headers={"Retry-After": str(retry)})
+        extra = {"quota": e.numbers} if e.numbers else {}
+        return error_response(429, kind, str(e), headers={"Retry-After": str(retry)}, **extra)
     if isinstance(e, (NotFound, UnknownTenantError)) or type(e).__name__ in ("SessionNotFound", "DatasetNotFound"):
         return error_response(404, "not_found", str(e.args[0]) if e.args else "not found")
     if isinstance(e, Conflict):

@@ -15,9 +15,11 @@ class Conflict(VlamuxError):
 
 
 class QuotaExceeded(VlamuxError):
-    def __init__(self, message: str, retry_after_s: float = 1.0):
+    """429. `numbers`: the resource, what is held, asked and allowed (the error body's "quota")."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0, numbers: dict | None = None):
         super().__init__(message)
-        self.retry_after_s = retry_after_s
+        self.retry_after_s, self.numbers = retry_after_s, numbers
 
 
 class TooLarge(VlamuxError):

@@ -27,6 +27,7 @@ from vlamux.api.futures import Futures
 from vlamux.api.jobs import Jobs
 from vlamux.api.metering import Meter
 from vlamux.api.policies import Policies
+from vlamux.api.queued_jobs import JobQueue
 from vlamux.api.quotas import Ledger, Need, QuotaRefused
 from vlamux.api.served import ServedPolicies
 from vlamux.api.sessions import Sessions
@@ -76,6 +77,8 @@ class ServiceConfig:
     env_workers: int | None = None  # simulator processes per session (None: the service's default)
     # simulator processes of all tenants together (None: 8 per CPU); past it opens and jobs are refused
     max_env_processes_total: int | None = None
+    # jobs running at once, all tenants together (None: no limit); past it jobs are accepted and queued
+    max_running_jobs: int | None = None
     # backend "gym" for tenants: the gymnasium ids the operator allows, each with the env_kwargs it may
     # take. Empty: off. A tenant's string never reaches gym.make unless it is one of these ids exactly
     # (gymnasium imports the module an id like "pkg:Env-v0" names).
@@ -93,7 +96,8 @@ class ServiceHost:
         self.meter: Meter | None = None
         self.access = Access(self.store, self.config.default_quotas, self.config.auth_cache_s)
         cap = self.config.max_env_processes_total
-        self.ledger = Ledger({"processes": cap if cap is not None else 8 * (os.cpu_count() or 1)})
+        self.ledger = Ledger({"processes": cap if cap is not None else 8 * (os.cpu_count() or 1),
+                              "jobs": self.config.max_running_jobs})
         self.futures = Futures(self.config.max_waits_per_tenant)
         self.sessions = Sessions(lambda: self.runtime.environment, self.ledger, self._reserve, self.config.gym_envs,
                                  self.config.env_workers)
@@ -115,8 +119,10 @@ class ServiceHost:
         self.runtime = self._runtime or self._build_runtime()
         self.master = MasterService(self.runtime, self.data_dir / "jobs")
         self.served = ServedPolicies(self.runtime, idle_s=self.config.serve_idle_s)
+        queue = JobQueue(self.ledger, lambda job_id: self.jobs.fraction(job_id))
         self.jobs = Jobs(self.store, self.master, self.files, self.data_dir, self.config.gym_envs,
-                         self.access.quotas, self._reserve, self.ledger.release)
+                         self.access.quotas, self._reserve, self.ledger.release, queue)
+        self.ledger.on_release = queue.pump
         self.slots = TrainingSlots(self.store, self.runtime, self.futures, self.data_dir, self._reserve,
                                    self.ledger.release)
         self.policies = Policies(self.store, self.runtime, self.served, self.data_dir)
@@ -191,11 +197,12 @@ class ServiceHost:
         """{content sha256: name} of the backbones held (a policy file must fit one of them)."""
         return {b["sha256"]: b["name"] for b in self.runtime.describe_backbones() if b.get("sha256")}
 
-    def _reserve(self, tenant_id: str, holder: str, need: Need, retry_after_s: float, force: bool = False) -> None:
+    def _reserve(self, tenant_id: str, holder: str, need: Need, retry_after_s: float, force: bool = False,
+                 admit: bool = True) -> None:
         try:
-            self.ledger.reserve(tenant_id, holder, need, self.access.quotas(tenant_id), force=force)
+            self.ledger.reserve(tenant_id, holder, need, self.access.quotas(tenant_id), force=force, admit=admit)
         except QuotaRefused as e:
-            raise QuotaExceeded(str(e), retry_after_s=retry_after_s) from None
+            raise QuotaExceeded(str(e), retry_after_s=retry_after_s, numbers=e.numbers()) from None
 
     def set_disabled(self, tenant_id: str, disabled: bool):
         """Disable (or enable) a tenant. Disabled, its keys answer 401 at once, its running jobs are

@@ -14,11 +14,13 @@ from typing import Callable
 from vlamux.api.checkpoints import checkpoint_view
 from vlamux.api.faults import Conflict, NotFound
 from vlamux.api.futures import jsonable
+from vlamux.api.queued_jobs import JobQueue
 from vlamux.api.quotas import WHAT, Need
 from vlamux.api.sessions import check_allowed
 from vlamux.api.slots import slot_key
 from vlamux.api.tenant_files import TenantFiles
 from vlamux.errors import InvalidInputError, public_error, public_message
+from vlamux.jobs.job_queue import job_fraction
 from vlamux.jobs.master import MasterService
 from vlamux.jobs.spec import JobSpecError, load_spec
 from vlamux.store import Store
@@ -29,34 +31,48 @@ log = logging.getLogger(__name__)
 
 
 class Jobs:
-    """`reserve(tenant, holder, need, retry_after_s, force)` holds a job's share of the tenant's quotas
-    (the ledger's), `release(tenant, holder)` gives it back; `quotas(tenant)` are the tenant's."""
+    """`reserve(tenant, holder, need, retry_after_s, force, admit)` holds a job's share of the tenant's
+    quotas (the ledger's), `release(tenant, holder)` gives it back; `quotas(tenant)` are the tenant's.
+    A job the service has no room for yet waits in `queue` (vlamux.api.queued_jobs)."""
 
     def __init__(self, store: Store, master: MasterService, files: TenantFiles, data_dir: Path, gym_envs: dict,
-                 quotas: Callable[[str], dict], reserve: Callable[..., None], release: Callable[[str, str], None]):
+                 quotas: Callable[[str], dict], reserve: Callable[..., None], release: Callable[[str, str], None],
+                 queue: JobQueue):
         self.store, self.master, self.files, self.data_dir, self.gym_envs = store, master, files, data_dir, gym_envs
-        self._quotas, self._reserve, self._release = quotas, reserve, release
+        self._quotas, self._reserve, self._release, self.queue = quotas, reserve, release, queue
 
     def submit(self, tenant_id: str, spec: dict) -> dict:
+        """Accept a job: its tenant's quotas are checked now (429 past them); it starts at once if the
+        service has room, else it is queued and starts when room frees."""
         if not isinstance(spec, dict):
             raise JobSpecError("spec: expected a JSON object")
         job_id = uuid.uuid4().hex[:12]
         spec = self._compile(tenant_id, job_id, spec)
         need = job_need(spec, self._quotas(tenant_id))
-        self._reserve(tenant_id, f"job:{job_id}", need, retry_after_s=30.0)
+        self._reserve(tenant_id, f"job:{job_id}", need, retry_after_s=30.0, admit=False)
         try:
             workdir = self.data_dir / "tenants" / tenant_id / "jobs" / job_id
             rec = self.store.create_job(tenant_id, spec.name, spec.kind, spec.to_dict(), str(workdir), job_id=job_id)
         except BaseException:
             self._release(tenant_id, f"job:{job_id}")
             raise
-        try:
-            self._start(rec.id, tenant_id, spec, workdir)
-        except Exception as e:  # a refused job is not left "queued" against the tenant's quota
-            self._release(tenant_id, f"job:{job_id}")
-            self.store.set_job_state(rec.id, "failed", error=f"{type(e).__name__}: {e}")
-            raise
+        self._enqueue(rec.id, tenant_id, spec, workdir, need, rec.created_at)
         return self.view(tenant_id, rec.id)
+
+    def _enqueue(self, job_id: str, tenant_id: str, spec, workdir: Path, need: Need, submitted: float) -> None:
+        def start() -> None:
+            try:
+                self._start(job_id, tenant_id, spec, workdir)
+            except Exception as e:  # a job that cannot start is not left "queued" against the tenant's quota
+                self.queue.ended(job_id)
+                self.store.set_job_state(job_id, "failed", error=f"{type(e).__name__}: {e}")
+                self._release(tenant_id, f"job:{job_id}")
+                raise
+
+        if not self.queue.submit(job_id, tenant_id, spec.kind, need, start, submitted):
+            place = self.queue.place(job_id)
+            if place is not None:  # else it started meanwhile
+                self.store.set_job_state(job_id, "queued", detail=f"waiting for {place['waiting_for']}")
 
     def _compile(self, tenant_id: str, job_id: str, raw: dict) -> object:
         """The tenant's spec, made safe to run: its slot key, and only paths inside the service."""
@@ -77,6 +93,9 @@ class Jobs:
             raw["sft"] = sft
         spec = load_spec(raw)
         check_envs(spec, self.gym_envs)
+        held = self.master.services.backbone_names()  # checked now: a queued job would fail at its start
+        if spec.backbone is not None and spec.backbone not in held:
+            raise JobSpecError(f"backbone: this service holds {held}, the spec asks for {spec.backbone!r}")
         return spec
 
     def dataset_path(self, name, field_name: str, tenant_id: str | None = None) -> Path:
@@ -91,6 +110,7 @@ class Jobs:
                 if detail["state"] == "queued":  # the store logged it when the job was created
                     return
                 if detail["state"] in ("succeeded", "failed", "cancelled"):
+                    self.queue.ended(job_id)
                     self._release(tenant_id, f"job:{job_id}")
                 result = detail.get("result") if detail["state"] == "succeeded" else None
                 error = detail.get("error")  # what the tenant reads: no path of the service's
@@ -105,16 +125,27 @@ class Jobs:
         self.master.submit(spec, job_id=job_id, job_dir=workdir, on_event=on_event)
 
     def resume_all(self) -> None:
-        for rec in self.store.unfinished_jobs():
+        """Jobs that ran before a restart start again at once (they were admitted: they hold their
+        share again, whatever the quotas say now); jobs that were still waiting queue again, in the
+        order they were submitted."""
+        for rec in sorted(self.store.unfinished_jobs(), key=lambda r: r.created_at):
             try:
                 spec = load_spec(rec.spec)
+                need = job_need(spec, None)
                 log.info("resuming job %s (%s) of tenant %s", rec.id, rec.name, rec.tenant_id)
-                # admitted before the restart: it holds its share again, whatever the quotas say now
-                self._reserve(rec.tenant_id, f"job:{rec.id}", job_need(spec, None), 0.0, force=True)
-                self.store.set_job_state(rec.id, "queued", detail="resumed after a restart")
-                self._start(rec.id, rec.tenant_id, spec, Path(rec.workdir))
+                started = any(e.state == "running" for e in self.store.job_events(rec.id))
+                self._reserve(rec.tenant_id, f"job:{rec.id}", need, 0.0, force=True, admit=started)
+                if started:
+                    self.store.set_job_state(rec.id, "queued", detail="resumed after a restart")
+                    self.queue.admitted(rec.id, rec.tenant_id, spec.kind, need)
+                    self._start(rec.id, rec.tenant_id, spec, Path(rec.workdir))
+                else:
+                    self._enqueue(rec.id, rec.tenant_id, spec, Path(rec.workdir), need, rec.created_at)
             except Exception as e:  # noqa: BLE001 - one bad record must not keep the service down
                 log.exception("cannot resume job %s", rec.id)
+                self.queue.remove(rec.id)
+                self.queue.ended(rec.id)
+                self._release(rec.tenant_id, f"job:{rec.id}")
                 self.store.set_job_state(rec.id, "failed", error=f"resume failed: {public_error(e)}")
 
     def _record(self, tenant_id: str, job_id: str):
@@ -124,11 +155,14 @@ class Jobs:
         return rec
 
     def view(self, tenant_id: str, job_id: str) -> dict:
+        """The job's record; a job waiting for room has "queue": its position, of, eta_s, eta_at (None:
+        not known) and what it waits for."""
         rec = self._record(tenant_id, job_id)
         live = self.master.jobs.get(job_id)
         return {"id": rec.id, "name": rec.name, "kind": rec.kind, "state": rec.state,
                 "created_at": rec.created_at, "updated_at": rec.updated_at,
                 "progress": (live.progress if live is not None else rec.progress) or {},
+                "queue": self.queue.place(job_id) if rec.state == "queued" else None,
                 "result": _public_result(rec.result, tenant_id),
                 "error": public_message(rec.error) if rec.error else None,
                 "events": [{"at": e.at, "state": e.state, "detail": e.detail} for e in self.store.job_events(rec.id)]}
@@ -138,8 +172,18 @@ class Jobs:
         live = dict(self.master.jobs)  # a job leaves it when it ends, on its own thread
         return [{"id": r.id, "name": r.name, "kind": r.kind, "state": r.state, "created_at": r.created_at,
                  "updated_at": r.updated_at,
-                 "progress": (live[r.id].progress if r.id in live else r.progress) or {}}
+                 "progress": (live[r.id].progress if r.id in live else r.progress) or {},
+                 "queue": self.queue.place(r.id) if r.state == "queued" else None}
                 for r in recs]
+
+    def fraction(self, job_id: str) -> float | None:
+        """How much of a running job is done (its estimate for the jobs that wait on it)."""
+        live = self.master.jobs.get(job_id)
+        if live is None:
+            return None
+        spec = live.spec
+        phases = [p for p in ("sft", "rl", "eval") if getattr(spec, p) is not None]
+        return job_fraction(phases, live.progress or {})
 
     def cancel_all(self, tenant_id: str, detail: str) -> None:
         """Cancel every queued or running job of the tenant (their checkpoints stay)."""
@@ -148,7 +192,13 @@ class Jobs:
             if live is not None:
                 self.master.cancel(live)
             else:
-                self.store.set_job_state(rec.id, "cancelled", detail=detail)
+                self._drop_waiting(tenant_id, rec.id, detail)
+
+    def _drop_waiting(self, tenant_id: str, job_id: str, detail: str = "") -> None:
+        """A job that never started: out of the queue, its share given back, cancelled."""
+        self.queue.remove(job_id)
+        self.store.set_job_state(job_id, "cancelled", detail=detail)
+        self._release(tenant_id, f"job:{job_id}")
 
     def cancel(self, tenant_id: str, job_id: str) -> dict:
         rec = self._record(tenant_id, job_id)
@@ -159,7 +209,7 @@ class Jobs:
             self.master.cancel(live)
             live.thread.join(30)
         else:
-            self.store.set_job_state(job_id, "cancelled")
+            self._drop_waiting(tenant_id, job_id)
         return self.view(tenant_id, job_id)
 
     def metrics(self, tenant_id: str, job_id: str, since: int = 0) -> tuple[list[dict], int]:

@@ -58,8 +58,11 @@ def _report_end(job) -> None:
 @click.pass_context
 def jobs(ctx, state: str | None) -> None:
     """The tenant's jobs."""
-    rows = [dict(j.data, created=when(j.data.get("created_at"))) for j in client(ctx).jobs(state)]
-    table(rows, ["id", "name", "kind", "state", "created"])
+    from vlamux.sdk.client import queue_text
+
+    rows = [dict(j.data, created=when(j.data.get("created_at")),
+                 queue=queue_text(j.queue) if j.queue else "-") for j in client(ctx).jobs(state)]
+    table(rows, ["id", "name", "kind", "state", "queue", "created"])
 
 
 @click.command()

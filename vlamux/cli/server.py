@@ -42,6 +42,10 @@ import click
 @click.option("--slot-host-mb", type=click.FloatRange(0, None, min_open=True), default=None,
               help="Parked serving slots kept in host memory, in MiB (with --slot-memory-mb): the least "
                    "recently used beyond it are stored on disk. Default: all in memory.")
+@click.option("--max-running-jobs", type=click.IntRange(1, None), default=None,
+              help="Jobs running at once, all tenants together; past it jobs are accepted and queued (fair "
+                   "across tenants; GET /v1/jobs/ID says their place and when they should start). "
+                   "Default: no limit.")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="Place the services on this Ray cluster ('auto', 'ray://host:10001'; 'local' starts one in-process).")
 @click.option("--store-url", default=None, help="SQLAlchemy URL of the store (default: sqlite in --data-dir).")
@@ -54,14 +58,14 @@ import click
 @click.option("--log-level", default="info", show_default=True,
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
 def serve(host, port, data_dir, backbone, extra_backbones, vlm, device, dtype, training_device, inference_devices,
-          inference_replicas, group_cap, max_adapters_per_group, slot_memory_mb, slot_host_mb, ray_address, store_url,
-          admin_key, max_body_mb, gym_envs, log_level) -> None:
+          inference_replicas, group_cap, max_adapters_per_group, slot_memory_mb, slot_host_mb, max_running_jobs,
+          ray_address, store_url, admin_key, max_body_mb, gym_envs, log_level) -> None:
     """Run the services and the HTTP API until interrupted (embedded runtime unless --ray)."""
     config = serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
                           ray_address, store_url, max_body_mb, extra_backbones, gym_envs, vlm,
                           group_cap=None if group_cap == "none" else group_cap,
                           max_adapters_per_group=max_adapters_per_group, slot_memory_mb=slot_memory_mb,
-                          slot_host_mb=slot_host_mb)
+                          slot_host_mb=slot_host_mb, max_running_jobs=max_running_jobs)
     from vlamux.api.server import serve as run
 
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -70,7 +74,7 @@ def serve(host, port, data_dir, backbone, extra_backbones, vlm, device, dtype, t
 
 def serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
                  ray_address, store_url, max_body_mb, extra_backbones=(), gym_envs=(), vlm=None, group_cap="learned",
-                 max_adapters_per_group=None, slot_memory_mb=None, slot_host_mb=None):
+                 max_adapters_per_group=None, slot_memory_mb=None, slot_host_mb=None, max_running_jobs=None):
     """`vlamux serve`'s options as a ServiceConfig; a device or dtype this machine cannot run is a usage
     error now, not a failure after start-up (on Ray, devices are the actors' and checked there)."""
     from vlamux.api.host import ServiceConfig
@@ -105,5 +109,5 @@ def serve_config(data_dir, backbone, device, dtype, training_device, inference_d
                          training_device=training_device, inference_devices=devices,
                          inference_replicas=inference_replicas, group_cap=group_cap,
                          max_adapters_per_group=max_adapters_per_group, slot_memory_mb=slot_memory_mb,
-                         slot_host_mb=slot_host_mb, ray_address=ray_address,
+                         slot_host_mb=slot_host_mb, max_running_jobs=max_running_jobs, ray_address=ray_address,
                          max_body_mb=max_body_mb, gym_envs=allowed)

@@ -42,18 +42,26 @@ class Place:
     eta_s: float | None  # seconds from now until it starts; None: not known
 
 
-def fair_order(waiting: list[Waiting], running: list[Running]) -> list[Waiting]:
+def fair_order(waiting: list[Waiting], running: list[Running], last_start: dict | None = None) -> list[Waiting]:
     """The order `waiting` jobs start in: round robin over tenants by load (jobs running or already
-    ordered), ties to the tenant whose oldest waiting job is older; each tenant's jobs oldest first."""
+    ordered), ties to the tenant that started a job least recently (`last_start`: tenant -> time, and its
+    running jobs' starts; never first; a job ordered here starts after all of those), then to the one whose oldest waiting job is older; each tenant's jobs oldest first. So a
+    tenant whose job just ended does not go before one that has waited behind it."""
     load = Counter(r.tenant for r in running)
+    started = dict(last_start or {})
+    for r in running:
+        started[r.tenant] = max(started.get(r.tenant, r.started), r.started)
     queues: dict[str, list[Waiting]] = {}
     for w in sorted(waiting, key=lambda w: (w.submitted, w.job_id)):
         queues.setdefault(w.tenant, []).append(w)
-    order = []
+    order, clock = [], max(started.values(), default=0.0)
     while queues:
-        tenant = min(queues, key=lambda t: (load[t], queues[t][0].submitted, queues[t][0].job_id))
+        tenant = min(queues, key=lambda t: (load[t], started.get(t, float("-inf")), queues[t][0].submitted,
+                                            queues[t][0].job_id))
         order.append(queues[tenant].pop(0))
         load[tenant] += 1
+        clock += 1.0  # ordered: it starts after every start so far
+        started[tenant] = clock
         if not queues[tenant]:
             del queues[tenant]
     return order
@@ -104,3 +112,17 @@ def estimate_starts(order: list[Waiting], running: list[Running], capacity: dict
         typical = (typical_s or {}).get(w.kind)
         ends.append((None if typical is None else clock + typical, w.need))
     return places
+
+
+def job_fraction(phases: list[str], progress: dict) -> float | None:
+    """How much of a job is done, from its progress: each of its `phases` (in order, of "sft", "rl",
+    "eval") an equal share, the current one as far as its steps have gone (an eval's as started).
+    None before the first progress report."""
+    phase = progress.get("phase")
+    if phase not in phases:
+        return None
+    i = phases.index(phase)
+    total, done = progress.get("of"), progress.get("step", progress.get("env_steps"))
+    within = min(1.0, max(0.0, done / total)) if isinstance(total, (int, float)) and total > 0 and \
+        isinstance(done, (int, float)) else 0.0
+    return (i + within) / len(phases)

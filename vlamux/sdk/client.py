@@ -224,6 +224,9 @@ class JobHandle:
                         doc='{"phase": "sft", "step", "of", "loss", ...} or {"phase": "rl", "env_steps", "of", ...}')
     result = property(lambda self: self.data.get("result"))
     error = property(lambda self: self.data.get("error"))
+    queue = property(lambda self: self.data.get("queue"),
+                     doc='A job waiting for the service\'s room: {"position", "of", "eta_s", "eta_at", "waiting_for"}; '
+                         'else None')
 
     @property
     def done(self) -> bool:
@@ -360,7 +363,9 @@ class _ProgressBar:
             if self.bar is None:
                 self.bar = tqdm(total=None, desc=f"{name} {state}", bar_format="{desc} [{elapsed}]",
                                 file=self.file, dynamic_ncols=True, leave=False)
-            self.bar.set_description_str(f"{name} {state}", refresh=False)
+            place = view.get("queue")
+            self.bar.set_description_str(f"{name} {state}" + (f" {queue_text(place)}" if place else ""),
+                                         refresh=False)
             if state in TERMINAL:
                 self.bar.leave = True
             self.bar.refresh()
@@ -388,6 +393,18 @@ class _ProgressBar:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def queue_text(place: dict) -> str:
+    """A waiting job's place in a few words: "#2 of 3, starts in ~4m" ("~?" when not known)."""
+    eta = place.get("eta_s")
+    if eta is None:
+        starts = "start not known yet"
+    elif eta < 1:
+        starts = "starts next"
+    else:
+        starts = "starts in ~" + (f"{eta:.0f}s" if eta < 90 else f"{eta / 60:.0f}m" if eta < 5400 else f"{eta / 3600:.1f}h")
+    return f"#{place.get('position')} of {place.get('of')}, {starts}"
 
 
 def load_spec_file(spec: dict | str | Path) -> dict:
