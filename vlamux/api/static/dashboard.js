@@ -487,8 +487,15 @@
       text = `step ${fmtInt(p.step)} / ${fmtInt(p.of)}`;
     }
     if (job.state === "succeeded") frac = 1;
-    if (frac === null) text = job.state === "queued" ? "waiting" : job.state === "running" ? "starting" : "";
+    if (frac === null) text = job.state === "queued" ? queuedText(job.queue) : job.state === "running" ? "starting" : "";
     return { frac: frac === null ? 0 : Math.max(0, Math.min(1, frac)), text, p };
+  }
+
+  // a job the service has no room for yet: its place and when it should start ("queued #2 of 3, ~14:05")
+  function queuedText(q) {
+    if (!q) return "waiting";
+    const at = isNum(q.eta_at) ? `, ~${new Date(q.eta_at * 1000).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" })}` : "";
+    return `queued #${q.position} of ${q.of}${at}`;
   }
 
   function renderJobs(list) {
