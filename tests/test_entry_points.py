@@ -146,3 +146,26 @@ def test_api_load_noisy_neighbour_reports_both_windows_and_the_flooders_refusals
         assert r[k] is not None, k
     assert r["errors_5xx"] == 0 and r["flooder_answers"].get("429", 0) > 0, r["flooder_answers"]
     assert not list(scratch.iterdir())
+
+
+def test_many_tenants_benchmark_smoke(tmp_path):
+    """A bounded run of `bench/many_tenants.py` on the tiny backbone: 20 and 60 tenants with room for 10
+    resident and 20 parked, so slots are parked, stored and read back under load; every figure the
+    issue names is written and the resident tier stayed within its budget. Speed is the benchmark's."""
+    import many_tenants
+
+    out = tmp_path / "mt.json"
+    many_tenants.main(["--backbone", "tiny", "--image-size", "32", "--tenants", "20,60", "--kinds", "heads",
+                       "--clients", "6", "--hot-clients", "1", "--resident-slots", "10", "--parked-slots", "20",
+                       "--seconds", "1.5", "--rounds", "1", "--out", str(out)])
+    data = json.loads(out.read_text())
+    assert data["partial"] is False and data["done"] == ["heads:20", "heads:60"]
+    small, big = data["cells"]
+    for cell in data["cells"]:
+        assert cell["within_budget"] and cell["max_resident_count"] <= 10, cell
+        for key in ("hot_p50_s", "hot_p99_s", "requests_per_s", "hit_rate", "rss_growth_over_formula",
+                    "load_wait_p99_over_limit", "hot_p99_over_smallest_n"):
+            assert key in cell
+        assert cell["limits"]["cold_limit_s"] > 0
+    assert sum(big["tiers"][t]["count"] for t in ("resident", "parked", "stored")) == 60
+    assert big["tiers"]["stored"]["count"] > 0 and big["moves"]["load"] > 0 and big["hit_rate"] < 1

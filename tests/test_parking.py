@@ -155,3 +155,34 @@ def test_a_replicas_serving_copy_has_no_optimizer_and_parks_as_one(backbone):
     for _ in range(2):
         a, b = (r.execute([Sample("bolt", obs)])[0].unwrap() for r in (moved, still))
         assert torch.equal(a["actions"], b["actions"]) and a["policy_version"] == b["policy_version"]
+
+
+def test_a_parked_serving_slot_comes_back_the_same_into_another_tenants_shell(backbone):
+    """unpark(shell=): the state lands in a slot object another tenant left (no head built anew), and
+    samples exactly as the slot built afresh; a shell of another kind is refused."""
+    from vlamux.model.parking import shell_key
+
+    spec = MOVED["lora"][0]
+    train = runner(backbone, False)
+    serve = ModelRunner(backbone, fuse_heads=False)
+    for t in ("lora", "bolt"):
+        serve.apply_policy(train.slot(t).export_policy())
+    serve.create_slot("other", spec, seed=9)  # a trainable slot: not a serving shell
+    parked = park(serve.slot("lora"))
+    kw = serve.adapter_targets(parked.backbone_id)
+    fresh = unpark(park(serve.slot("lora")), backbone.meta, **kw)
+    shell = ModelRunner(backbone).apply_policy(train.slot("lora").export_policy())  # any serving slot of that kind
+    shell.tenant = "somebody-else"
+    assert shell_key(shell.head_spec, shell.backbone_id, False) == shell_key(spec, parked.backbone_id, False)
+    with pytest.raises(ValueError, match="another kind"):
+        unpark(park(serve.slot("lora")), backbone.meta, shell=serve.slot("bolt"), **kw)
+    with pytest.raises(ValueError, match="another kind"):
+        unpark(park(serve.slot("lora")), backbone.meta, shell=serve.slot("other"), **kw)
+    again = unpark(parked, backbone.meta, shell=shell, **kw)
+    assert again is shell and again.tenant == "lora"
+    assert same_bytes(snapshot(again), snapshot(fresh))
+    obs, _ = make_batch(MOVED["lora"][1], 2, torch.Generator().manual_seed(3))
+    a, b = ModelRunner(backbone, fuse_heads=False), ModelRunner(backbone, fuse_heads=False)
+    a.add_slot(again), b.add_slot(fresh)
+    assert torch.equal(a.execute([Sample("lora", obs)])[0].unwrap()["actions"],
+                       b.execute([Sample("lora", obs)])[0].unwrap()["actions"])

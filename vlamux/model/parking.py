@@ -69,7 +69,7 @@ def park(slot: Slot) -> ParkedSlot:
     """A copy of all of `slot`'s state on the host (the slot itself is left as it was)."""
     tensors, meta = slot_file.state_tensors(slot)
     if slot.device.type == "cpu":  # there state_tensors' .cpu() aliased the slot's own (elsewhere they are copies)
-        tensors = {k: v.clone() for k, v in tensors.items()}
+        tensors = packed_copy(tensors)
     for i, p in enumerate(slot.params):
         if p.grad is not None:
             tensors[f"grad.{i}"] = p.grad.detach().to("cpu", copy=True)
@@ -78,16 +78,46 @@ def park(slot: Slot) -> ParkedSlot:
     return ParkedSlot(slot.tenant, slot.backbone_id, tensors, {**meta, "accumulated": str(slot.accumulated)})
 
 
-def unpark(parked: ParkedSlot, feature_meta: FeatureMeta, device="cpu", **backbone) -> Slot:
+def shell_key(head_spec: HeadSpec, backbone_id: str, trainable: bool) -> tuple:
+    """What a slot object must match to take another tenant's parked state (`unpark(shell=)`)."""
+    return head_spec.to_json(), backbone_id, trainable
+
+
+def packed_copy(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Copies of `tensors` as views of one new buffer per dtype: one allocation and one copy for a
+    slot's fifty-odd tensors instead of fifty (a parked slot's tensors are only ever read whole)."""
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for k, v in tensors.items():
+        by_dtype.setdefault(v.dtype, []).append(k)
+    out = {}
+    for keys in by_dtype.values():
+        flat = torch.cat([tensors[k].reshape(-1) for k in keys])
+        for k, part in zip(keys, flat.split([tensors[k].numel() for k in keys])):
+            out[k] = part.view(tensors[k].shape)
+    return out
+
+
+def unpark(parked: ParkedSlot, feature_meta: FeatureMeta, device="cpu", shell: Slot | None = None,
+           **backbone) -> Slot:
     """The slot `parked` was, on `device` (`backbone`: `Slot`'s keyword arguments for an adapter or query
-    tokens). Consumes `parked`."""
+    tokens). Consumes `parked`. shell: a slot object no runner holds any more (one just parked), of the
+    same `shell_key`, to copy the state into instead of building a new one: building a head's modules
+    costs milliseconds, copying its tensors in a fraction of one. The shell becomes the slot."""
     meta, tensors = parked.meta, parked.tensors
     if feature_meta.backbone_id != parked.backbone_id:
         raise InvalidInputError(f"tenant {parked.tenant!r} was parked from backbone {parked.backbone_id!r}, "
                                 f"not {feature_meta.backbone_id!r}")
-    slot = Slot(parked.tenant, HeadSpec.from_json(meta["head_spec"]), feature_meta,
-                OptimizerSpec(**json.loads(meta["optim_spec"])), seed=int(meta["seed"]), device=device, init=False,
-                trainable=meta.get("optimizer") != "none", **backbone)
+    spec, trainable = HeadSpec.from_json(meta["head_spec"]), meta.get("optimizer") != "none"
+    if shell is not None:
+        if shell_key(shell.head_spec, shell.backbone_id, shell.optimizer is not None) != \
+                shell_key(spec, parked.backbone_id, trainable) or shell.device != torch.device(device):
+            raise ValueError(f"tenant {parked.tenant!r}: the shell given is a slot of another kind")
+        slot = shell
+        slot.tenant, slot.seed = parked.tenant, int(meta["seed"])
+        slot._host_copies = {}
+    else:
+        slot = Slot(parked.tenant, spec, feature_meta, OptimizerSpec(**json.loads(meta["optim_spec"])),
+                    seed=int(meta["seed"]), device=device, init=False, trainable=trainable, **backbone)
     slot_file.restore(slot, tensors, meta)
     params = slot.params
     with torch.no_grad():
@@ -101,12 +131,15 @@ def unpark(parked: ParkedSlot, feature_meta: FeatureMeta, device="cpu", **backbo
     return slot
 
 
-def store(parked: ParkedSlot, path: str | Path) -> None:
-    """Write `parked` as a slot file (a checkpoint: `Slot.load_state` and `read_stored` read it)."""
+def store(parked: ParkedSlot, path: str | Path, durable: bool = True) -> None:
+    """Write `parked` as a slot file (a checkpoint: `Slot.load_state` and `read_stored` read it).
+    durable=False: not fsynced (a service's spool, which no restart reads)."""
     if parked.holds_gradients:
         raise InvalidInputError(f"tenant {parked.tenant!r} holds un-stepped gradients: a stored slot has none")
     meta = {k: v for k, v in parked.meta.items() if k != "accumulated"}
-    atomic_save_safetensors(parked.tensors, path, {**meta, "content_sha256": tensors_sha256(parked.tensors)})
+    tensors = {k: v.clone() for k, v in parked.tensors.items()}  # a file's tensors share no storage
+    atomic_save_safetensors(tensors, path, {**meta, "content_sha256": tensors_sha256(tensors)},
+                            durable)
 
 
 def read_stored(path: str | Path) -> ParkedSlot:

@@ -157,10 +157,14 @@ class Slot:
         return self._params
 
     def module_state(self) -> dict[str, Tensor]:
-        """The tenant's module's tensors by key: "head.*", "adapter.*" and "queries.*" where there are."""
-        return {f"{name}.{k}": v for name, m in (("head", self.head), ("adapter", self.adapter),
-                                                 ("queries", self.queries)) if m is not None
-                for k, v in m.state_dict().items()}
+        """The tenant's module's tensors by key: "head.*", "adapter.*" and "queries.*" where there are
+        (detached views of the module's own tensors: built once, as `params` is, since every load copies
+        into them in place and the modules are never replaced)."""
+        if getattr(self, "_module_state", None) is None:
+            self._module_state = {f"{name}.{k}": v for name, m in (("head", self.head), ("adapter", self.adapter),
+                                                                   ("queries", self.queries)) if m is not None
+                                  for k, v in m.state_dict().items()}
+        return dict(self._module_state)
 
     # ---- statistics -------------------------------------------------------------------------
     def set_stats(self, action: NormStats | None = None, state: NormStats | None = None) -> None:

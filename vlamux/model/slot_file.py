@@ -84,10 +84,17 @@ def load(slot, path: str | Path) -> None:
 def restore(slot, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
     """Put a slot file's state into `slot`, unchecked (`load` checks first; a parked slot is this
     process's own)."""
-    slot.head.load_state_dict({k[5:]: v for k, v in tensors.items() if k.startswith("head.")})
-    for name, m in (("adapter", slot.adapter), ("queries", slot.queries)):
-        if m is not None:
-            m.load_state_dict({k[len(name) + 1:]: v for k, v in tensors.items() if k.startswith(name + ".")})
+    own = slot.module_state()
+    given = {k: v for k, v in tensors.items() if k.startswith(MODULE_PREFIXES)}
+    if given.keys() != own.keys() or any(given[k].shape != own[k].shape for k in own):
+        raise IncompatibleError(f"tenant {slot.tenant!r}: the state's module tensors do not match the slot's")
+    keys = list(own)
+    with torch.no_grad():  # in place: what load_state_dict does, without its walk of the modules
+        if all(given[k].device == own[k].device for k in keys):
+            torch._foreach_copy_([own[k] for k in keys], [given[k] for k in keys])
+        else:
+            for k in keys:
+                own[k].copy_(given[k])
     state: dict[int, dict] = {}
     for k, v in tensors.items():
         if k.startswith("optim."):

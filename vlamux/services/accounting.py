@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 
 class Accounting:
@@ -16,11 +16,13 @@ class Accounting:
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self.busy_s = 0.0
+        self.group_s: deque[float] = deque(maxlen=4096)  # the latest groups' durations, for percentiles
         self.tenants: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
 
     def busy(self, seconds: float) -> None:
         with self._lock:
             self.busy_s += seconds
+            self.group_s.append(seconds)
 
     def charge(self, tenant: str, **amounts: float) -> None:
         with self._lock:

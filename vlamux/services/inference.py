@@ -51,6 +51,8 @@ class InferenceModelService(EngineLoop):
         self.backbone = self.runner.backbones[self.runner.default_backbone]
         self.tiers = SlotTiers(self.runner, slot_budget) if slot_budget is not None else None
         self.queue = InferenceQueue(queue, ready=self.tiers.resident if self.tiers is not None else None)
+        if self.tiers is not None:
+            self.tiers.on_read = self.queue.wake
         self.accounting = Accounting()
         self._staged: dict[str, PolicySnapshot | Retired] = {}
         self._fresh: set[str] = set()  # staged after a retirement: replaces the slot, whatever its version
@@ -99,6 +101,9 @@ class InferenceModelService(EngineLoop):
                 if slot is not None and snap.version < slot.version:
                     continue
                 try:
+                    if slot is None and self.tiers is not None and not self.tiers.room_for(snap):
+                        self.tiers.admit_parked(snap)  # resident when asked for, not at the others' cost now
+                        continue
                     self.runner.apply_policy(snap)
                     if slot is None and self.tiers is not None:
                         self.tiers.added(tenant)
@@ -131,7 +136,10 @@ class InferenceModelService(EngineLoop):
         """An action chunk for each observation: a future of {"actions": [B, H, A], "policy_version"}."""
         if not self.serves(tenant):
             raise UnknownTenantError(f"{self.name} has no policy for tenant {tenant!r}")
-        return self.queue.submit(tenant, obs.batch_size, _Predict(obs, deterministic), deadline_s)
+        future = self.queue.submit(tenant, obs.batch_size, _Predict(obs, deterministic), deadline_s)
+        if self.tiers is not None:
+            self.tiers.prefetch(tenant)  # a slot on disk starts coming back while the current group runs
+        return future
 
     def run_once(self, timeout: float | None = 0.1) -> int:
         """Serve one due group (the engine loop's body); returns the number of requests served."""
@@ -153,7 +161,8 @@ class InferenceModelService(EngineLoop):
 
     def _page(self) -> None:
         """Between two groups: the slots requests wait for come in, the least recently used go down."""
-        plan, failed = self.tiers.page(self.queue.waiting_tenants())
+        waiting = self.queue.waiting_since()
+        plan, failed = self.tiers.page(list(waiting), waiting)
         for tenant, error in failed.items():
             self.queue.fail(tenant, error)
         for tenant in plan.never:

@@ -46,18 +46,27 @@ class PagePlan:
         return bool(self.load or self.park or self.store)
 
 
-def plan_pages(entries: dict[str, SlotEntry], wanted: list[str], budget: SlotBudget) -> PagePlan:
+def plan_pages(entries: dict[str, SlotEntry], wanted: list[str], budget: SlotBudget,
+               by_tier: dict[str, dict[str, SlotEntry]] | None = None, used: dict[str, int] | None = None) -> PagePlan:
     """The moves that make `wanted` (oldest request first) resident within `budget`, and keep the parked
-    tier within its own, evicting least recently used first. Unknown tenants in `wanted` are ignored."""
+    tier within its own, evicting least recently used first. Unknown tenants in `wanted` are ignored.
+    by_tier, used: the same entries by tier and each tier's bytes (a `Pager` keeps them), so that a plan
+    costs what is resident, wanted and over the parked budget, not every tenant the service knows."""
     plan = PagePlan()
-    tier = {t: e.tier for t, e in entries.items()}
-    used = {name: sum(e.nbytes for e in entries.values() if e.tier == name) for name in TIERS}
+    if by_tier is None:
+        by_tier = {name: {t: e for t, e in entries.items() if e.tier == name} for name in TIERS}
+    moved: dict[str, str] = {}  # this plan's moves: tenant -> its tier once they are made
+    used = dict(used) if used is not None else {name: sum(e.nbytes for e in by_tier[name].values()) for name in TIERS}
     wanted = [t for t in dict.fromkeys(wanted) if t in entries]
     keep = set(wanted)
     older: set[str] = set()  # wanted tenants whose requests are older than the one being placed
 
+    def tier_of(t: str) -> str:
+        return moved.get(t) or entries[t].tier
+
     def lru(name: str, ok) -> list[SlotEntry]:
-        return sorted((e for t, e in entries.items() if tier[t] == name and ok(e)), key=lambda e: e.last_used)
+        members = {**by_tier[name], **{t: entries[t] for t, to in moved.items() if to == name}}
+        return sorted((e for t, e in members.items() if tier_of(t) == name and ok(e)), key=lambda e: e.last_used)
 
     def evictable(e: SlotEntry) -> bool:
         return not e.pinned and e.tenant not in keep
@@ -66,27 +75,31 @@ def plan_pages(entries: dict[str, SlotEntry], wanted: list[str], budget: SlotBud
         return not e.pinned and e.tenant not in older
 
     def park(e: SlotEntry) -> None:
-        tier[e.tenant] = "parked"
+        moved[e.tenant] = "parked"
         used["resident"] -= e.nbytes
         used["parked"] += e.nbytes
         plan.park.append(e.tenant)
 
     limit = budget.resident_bytes
+    # sorted once: a tenant this plan loads is wanted (never a victim), one it parks is skipped
+    resident_lru = sorted(by_tier["resident"].values(), key=lambda e: e.last_used)
     for t in wanted:
         older.add(t)
         e = entries[t]
         if limit is not None and e.nbytes > limit:  # made resident when it came (a new tenant): not to stay
             plan.never.append(t)
-            if tier[t] == "resident" and not e.pinned:
+            if tier_of(t) == "resident" and not e.pinned:
                 park(e)
             continue
-        if tier[t] == "resident":
+        if tier_of(t) == "resident":
             continue
         if limit is not None:  # the least recently used first, and none unless that makes room
             room, victims = limit - used["resident"], []
-            for v in lru("resident", evictable_for_older):
+            for v in resident_lru:
                 if room >= e.nbytes:
                     break
+                if tier_of(v.tenant) != "resident" or not evictable_for_older(v):
+                    continue
                 victims.append(v)
                 room += v.nbytes
             if room < e.nbytes:
@@ -94,9 +107,10 @@ def plan_pages(entries: dict[str, SlotEntry], wanted: list[str], budget: SlotBud
                 continue
             for v in victims:
                 park(v)
-        used[tier[t]] -= e.nbytes
+        if tier_of(t) == "parked":
+            used["parked"] -= e.nbytes
         used["resident"] += e.nbytes
-        tier[t] = "resident"
+        moved[t] = "resident"
         plan.load.append(t)
     if limit is not None:  # a budget lowered, or slots grown (optimizer state after a first step)
         for e in lru("resident", evictable):
@@ -107,9 +121,8 @@ def plan_pages(entries: dict[str, SlotEntry], wanted: list[str], budget: SlotBud
         for e in lru("parked", lambda e: not e.holds_gradients and e.tenant not in keep):
             if used["parked"] <= budget.parked_bytes:
                 break
-            tier[e.tenant] = "stored"
+            moved[e.tenant] = "stored"
             used["parked"] -= e.nbytes
-            used["stored"] += e.nbytes
             plan.store.append(e.tenant)
     return plan
 
@@ -122,6 +135,8 @@ class Pager:
     def __init__(self, budget: SlotBudget | None = None):
         self.budget = budget or SlotBudget()
         self.entries: dict[str, SlotEntry] = {}
+        self.by_tier: dict[str, dict[str, SlotEntry]] = {name: {} for name in TIERS}
+        self.used = dict.fromkeys(TIERS, 0)  # bytes per tier
         self.groups = 0
         self._lock = threading.Lock()
 
@@ -130,11 +145,19 @@ class Pager:
             raise ValueError(f"slot tier: one of {TIERS}, got {tier!r}")
         with self._lock:
             old = self.entries.get(tenant)  # replaced (a tenant served afresh): groups using it still do
-            self.entries[tenant] = SlotEntry(tenant, tier, nbytes, self.groups, old.pinned if old else 0)
+            if old is not None:
+                del self.by_tier[old.tier][tenant]
+                self.used[old.tier] -= old.nbytes
+            self.used[tier] += nbytes
+            self.entries[tenant] = self.by_tier[tier][tenant] = SlotEntry(tenant, tier, nbytes, self.groups,
+                                                                        old.pinned if old else 0)
 
     def remove(self, tenant: str) -> None:
         with self._lock:
-            self.entries.pop(tenant, None)
+            e = self.entries.pop(tenant, None)
+            if e is not None:
+                del self.by_tier[e.tier][tenant]
+                self.used[e.tier] -= e.nbytes
 
     def resident(self, tenant: str) -> bool:
         e = self.entries.get(tenant)
@@ -159,23 +182,23 @@ class Pager:
     def plan(self, waiting: list[str] = ()) -> PagePlan:
         """The moves to make now; `waiting`: tenants with requests queued, the oldest request's first."""
         with self._lock:
-            return plan_pages(self.entries, list(waiting), self.budget)
+            return plan_pages(self.entries, list(waiting), self.budget, self.by_tier, self.used)
 
     def moved(self, tenant: str, tier: str, nbytes: int | None = None, holds_gradients: bool | None = None) -> None:
         """A move of the plan is done (the slot is in `tier` now)."""
         with self._lock:
             e = self.entries[tenant]
+            del self.by_tier[e.tier][tenant]
+            self.used[e.tier] -= e.nbytes
             e.tier = tier
+            self.by_tier[tier][tenant] = e
             if nbytes is not None:
                 e.nbytes = nbytes
+            self.used[tier] += e.nbytes
             if holds_gradients is not None:
                 e.holds_gradients = holds_gradients
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Count and bytes per tier, for metrics."""
         with self._lock:
-            out = {name: {"count": 0, "bytes": 0} for name in TIERS}
-            for e in self.entries.values():
-                out[e.tier]["count"] += 1
-                out[e.tier]["bytes"] += e.nbytes
-            return out
+            return {name: {"count": len(members), "bytes": self.used[name]} for name, members in self.by_tier.items()}

@@ -90,8 +90,12 @@ class InferenceQueue:
         every look)."""
         self.config = config or InferenceQueueConfig()
         self.ready = ready
+        # tenants with requests queued, and only those: every look at the queue costs what is queued,
+        # not every tenant it ever served (ten thousand of them on a replica that pages its slots)
         self._pending: dict[str, collections.deque[Queued]] = collections.OrderedDict()
         self._served: dict[str, float] = {}  # virtual counter: rows served per tenant
+        self._served_max = 0.0  # the largest counter (they only grow)
+        self._woken = False
         self._rows = 0
         self._cv = threading.Condition()
         self._closed = False
@@ -116,7 +120,7 @@ class InferenceQueue:
         """A tenant (re)joining starts level with the least-served active tenant, not at zero,
         so it cannot monopolise the queue to make up for time it did not ask for service."""
         active = [self._served[t] for t, q in self._pending.items() if q and t in self._served]
-        floor = min(active) if active else max(self._served.values(), default=0.0)
+        floor = min(active) if active else self._served_max
         self._served[tenant] = max(self._served.get(tenant, 0.0), floor)
 
     def forget(self, tenant: str) -> None:
@@ -143,6 +147,8 @@ class InferenceQueue:
                 else:
                     keep.append(item)
             self._pending[tenant] = keep
+        for tenant in [t for t, q in self._pending.items() if not q]:
+            del self._pending[tenant]
 
     def _takeable(self) -> list[str]:
         return [t for t, q in self._pending.items() if q and (self.ready is None or self.ready(t))]
@@ -153,8 +159,20 @@ class InferenceQueue:
 
     def waiting_tenants(self) -> list[str]:
         """Tenants with requests queued, the oldest request's first."""
+        return list(self.waiting_since())
+
+    def waiting_since(self) -> dict[str, float]:
+        """Tenants with requests queued -> when the oldest came (time.monotonic()), the oldest first."""
         with self._cv:
-            return sorted((t for t, q in self._pending.items() if q), key=lambda t: self._pending[t][0].enqueued)
+            heads = sorted((q[0].enqueued, t) for t, q in self._pending.items() if q)
+        return {t: at for at, t in heads}
+
+    def wake(self) -> None:
+        """Have a `next_group` that waits return now (with what is due, maybe nothing): something its
+        caller does between groups (a slot read back from disk to be made resident) is ready."""
+        with self._cv:
+            self._woken = True
+            self._cv.notify_all()
 
     def fail(self, tenant: str, error: Exception) -> None:
         """Answer every queued request of `tenant` with `error`."""
@@ -163,8 +181,7 @@ class InferenceQueue:
                 self._rows -= item.rows
                 if not item.future.done():
                     item.future.set_exception(error)
-            if tenant in self._pending:
-                self._pending[tenant] = collections.deque()
+            self._pending.pop(tenant, None)
 
     def next_group(self, timeout: float | None = None) -> list[Queued]:
         """Block until a group is due (or `timeout` passes, or the queue closes); return it, maybe empty."""
@@ -181,6 +198,9 @@ class InferenceQueue:
                     return self._take(now, takeable)
                 if self._closed:
                     return []
+                if self._woken:
+                    self._woken = False
+                    return []
                 waits = [] if end is None else [end - now]
                 if oldest is not None:
                     waits.append(oldest + self.config.max_wait_s - now)
@@ -194,7 +214,7 @@ class InferenceQueue:
     def _take(self, now: float, takeable: list[str]) -> list[Queued]:
         group, rows = [], 0
         while True:
-            takeable = [t for t in takeable if self._pending[t]]
+            takeable = [t for t in takeable if t in self._pending]
             if not takeable:
                 break
             tenant = min(takeable, key=lambda t: (self._served[t], self._pending[t][0].enqueued))
@@ -202,8 +222,11 @@ class InferenceQueue:
             if group and rows + item.rows > self.config.batch_rows:
                 break
             self._pending[tenant].popleft()
+            if not self._pending[tenant]:
+                del self._pending[tenant]
             self._rows -= item.rows
             self._served[tenant] += item.rows
+            self._served_max = max(self._served_max, self._served[tenant])
             group.append(item)
             rows += item.rows
             self.stats.waits.append(now - item.enqueued)

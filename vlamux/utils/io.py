@@ -34,17 +34,19 @@ def file_sha256(path: str | Path) -> str:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | Path):
+def atomic_path(path: str | Path, durable: bool = True):
     """A fresh path beside `path` to write the new file to (the caller creates it: it gets the process's
     usual permissions); on a clean exit it is fsynced and renamed over `path`, so a reader, or a crash at
-    any point, sees the old file or the new one, never half of one. On an error it is removed."""
+    any point, sees the old file or the new one, never half of one. On an error it is removed.
+    durable=False: no fsync (scratch files no restart reads: whole to this process, not to a crash)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         yield tmp
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        if durable:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -57,8 +59,9 @@ def atomic_write_text(path: str | Path, text: str, newline: str | None = None) -
             f.write(text)
 
 
-def atomic_save_safetensors(tensors: dict[str, Tensor], path: str | Path, metadata: dict[str, str]) -> None:
-    with atomic_path(path) as tmp:
+def atomic_save_safetensors(tensors: dict[str, Tensor], path: str | Path, metadata: dict[str, str],
+                            durable: bool = True) -> None:
+    with atomic_path(path, durable) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
 
 
