@@ -198,7 +198,10 @@ class Cell:
         return {"kind": self.kind, "tenants": self.n, "module_bytes": self.one,
                 "budget_resident_bytes": self.budget.resident_bytes, "budget_parked_bytes": self.budget.parked_bytes,
                 "register_s": self.register_s, "rss_growth_bytes": self.rss_growth,
-                "rss_growth_over_formula": self.rss_growth / (self.n * self.one),
+                "rss_growth_over_formula": self.rss_growth / (self.n * self.one),  # every tenant in memory
+                # what the host holds on a CPU: the resident and parked tiers (the stored are on disk)
+                "rss_growth_over_held": self.rss_growth / (self.one * sum(
+                    self.svc.tiers.pager.usage()[t]["count"] for t in ("resident", "parked"))),
                 "max_resident_bytes": self.max_resident, "max_resident_count": self.max_resident_count,
                 "within_budget": self.max_resident <= self.budget.resident_bytes,
                 "requests": len(self.samples), "requests_per_s": len(self.samples) / self.measured_s,

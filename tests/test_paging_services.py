@@ -170,6 +170,8 @@ def test_an_operator_sees_the_tiers_in_metrics(tmp_path):
         parked = values['vlamux_slot_tier{service="inference-0",tier="parked",what="count"}']
         assert 1 <= resident <= 3 and resident + parked == 5, lines
         assert values['vlamux_slot_moves_total{move="load",service="inference-0"}'] > 0, lines
+        tiers = admin.backbones()[0]["slot_tiers"]["inference-0"]  # what `vlamux backbones` shows
+        assert tiers["resident"]["count"] + tiers["parked"]["count"] == 5, tiers
         for c, _ in clients:
             c.close()
         admin.close()

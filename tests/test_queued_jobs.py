@@ -127,3 +127,34 @@ def test_a_tenants_own_quota_still_answers_429_with_the_numbers(svc):
             == "succeeded"
     # both ended: the tenant's share is free again
     assert submit(svc, a, spec("q3", 2))["state"] in ("queued", "running", "succeeded")
+
+
+def test_after_a_restart_started_jobs_run_again_and_waiting_ones_queue_in_order(tmp_path):
+    from demos import demo_dataset
+
+    demo_dataset(tmp_path / "datasets" / "tiny", 4)
+    config = ServiceConfig(data_dir=tmp_path, env_workers=1, meter_every_s=3600, group_cap=None, max_running_jobs=1)
+    host = ServiceHost(config)
+    first = types.SimpleNamespace(host=host, admin=host.start())
+    first.client = TestClient(create_app(host), raise_server_exceptions=False)
+    _, a = new_tenant(first, "restart-a")
+    _, b = new_tenant(first, "restart-b")
+    running = submit(first, a, spec("running", LONG))
+    until(lambda: view(first, a, running["id"])["state"] == "running")
+    waiting = [submit(first, b, spec(f"w{i}", 4)) for i in range(2)]
+    first.client.close()
+    host.stop()  # as a kill would leave them: one running, two queued, in the store
+
+    host = ServiceHost(config)
+    again = types.SimpleNamespace(host=host, admin=host.start())
+    again.client = TestClient(create_app(host), raise_server_exceptions=False)
+    try:
+        until(lambda: view(again, a, running["id"])["state"] == "running")
+        assert [view(again, b, j["id"])["queue"]["position"] for j in waiting] == [1, 2]
+        cancel(again, a, running["id"])
+        for j in waiting:
+            assert until(lambda: (v := view(again, b, j["id"]))["state"] in ("succeeded", "failed") and v)["state"] \
+                == "succeeded"
+    finally:
+        again.client.close()
+        host.stop()

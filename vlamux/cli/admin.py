@@ -97,8 +97,11 @@ def backbones(ctx) -> None:
         r["params_m"] = r["parameters"] / 1e6
         caps = {c.get("rows") for c in (r.get("group_caps") or {}).values()}
         r["group_cap"] = "/".join(str(c) for c in sorted(caps, key=str)) if caps else "-"  # rows, learned
+        tiers = list((r.get("slot_tiers") or {}).values())  # replicas paging their serving slots
+        r["slots_r/p/s"] = "/".join(str(sum(t[k]["count"] for t in tiers)) for k in ("resident", "parked", "stored")) \
+            if tiers else "-"
     table(rows, ["name", "family", "id", "params_m", "dtype", "resident_mb", "tokens_per_camera", "group_cap",
-                  "default"])
+                  "slots_r/p/s", "default"])
 
 
 @click.group(cls=Group)

@@ -303,6 +303,9 @@ class EmbeddedRuntime:
             desc["group_caps"] = {svc.name: svc.runner.group_curves[b.backbone_id].describe()
                                   for svc in (self.training, *self.replicas.values())
                                   if svc is not None and b.backbone_id in svc.runner.group_curves}
+            # replicas that page their serving slots: each one's tiers (all its backbones' slots)
+            desc["slot_tiers"] = {svc.name: svc.tiers.pager.usage() for svc in self.replicas.values()
+                                  if svc.tiers is not None}
             out.append(desc)
         return out
 

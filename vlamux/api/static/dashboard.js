@@ -723,6 +723,16 @@
     return out;
   }
 
+  // replicas that page their serving slots (vlamux serve --slot-memory-mb): resident, parked, stored
+  function slotCards(series) {
+    if (!series.length) return [];
+    const sum = (tier, what) => series.filter((s) => s.labels.tier === tier && s.labels.what === what)
+      .reduce((n, s) => n + s.value, 0);
+    return [card("slots", "Serving slots", fmtInt(sum("resident", "count")),
+      `resident (${fmtBytes(sum("resident", "bytes"))}); ${fmtInt(sum("parked", "count"))} parked, ` +
+      `${fmtInt(sum("stored", "count"))} stored`)];
+  }
+
   async function refreshAdmin(gen) {
     const [tenants, usage, text, health] = await Promise.all([
       api("/v1/tenants"), api("/v1/usage"), api("/metrics", { text: true }),
@@ -745,6 +755,7 @@
       card("env_sessions", "Env sessions", fmtInt(sessions), "open simulator sessions"),
       card("queue_depth", "Queued requests", fmtInt(depth), "in the model queues"),
       card("uptime", "Uptime", fmtSeconds(health && health.uptime_s), "this server process"),
+      ...slotCards(pick("vlamux_slot_tier")),
     );
 
     const util = pick("vlamux_service_utilization");
