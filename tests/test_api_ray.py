@@ -2,6 +2,7 @@
 services are Ray actors. A Ray instance local to this process stands in for a cluster."""
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +33,7 @@ def test_routes_and_a_job_on_ray_services(tmp_path):
     from ray._private.utils import get_ray_address_file, read_ray_address, write_ray_address
 
     before = read_ray_address()
+    Path(get_ray_address_file(None)).parent.mkdir(parents=True, exist_ok=True)  # a machine Ray never ran on
     write_ray_address("127.0.0.1:9")
     try:
         host = ServiceHost(ServiceConfig(data_dir=tmp_path, ray_address="local"))
