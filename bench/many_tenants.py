@@ -56,10 +56,15 @@ from vlamux.model.synthetic import TaskProfile, make_batch  # noqa: E402
 from vlamux.services.inference import InferenceModelService  # noqa: E402
 from vlamux.services.pager import SlotBudget  # noqa: E402
 from vlamux.services.queues import InferenceQueueConfig  # noqa: E402
+from vlamux.utils.stats import quantile  # noqa: E402
 
 HEAD = HeadSpec("gaussian", 7, 8, 8, width=64, depth=1)
 KINDS = {"heads": HEAD, "lora8": HeadSpec("gaussian", 7, 8, 8, width=64, depth=1, adapter={"rank": 8})}
-PROFILE = TaskProfile({"top": (128, 128)}, 7, 8, 8, "reach the {color} block")  # --image-size changes it
+
+
+def profile(image_size: int) -> TaskProfile:
+    """One camera of image_size px, the heads' action and state sizes."""
+    return TaskProfile({"top": (image_size, image_size)}, 7, 8, 8, "reach the {color} block")
 
 
 def rss_bytes() -> int:
@@ -70,11 +75,6 @@ def rss_bytes() -> int:
         pass
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
-
-
-def quantile(xs: list[float], q: float) -> float | None:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
 def snapshots(backbone, spec: HeadSpec, n: int):
@@ -104,7 +104,7 @@ def module_bytes(backbone, spec: HeadSpec) -> int:
 
 class Cell:
     def __init__(self, backbone, kind: str, n: int, args, one: int):
-        self.kind, self.n, self.one = kind, n, one
+        self.kind, self.n, self.one, self.profile = kind, n, one, profile(args.image_size)
         self.budget = SlotBudget(resident_bytes=args.resident_slots * one, parked_bytes=args.parked_slots * one)
         self.svc = InferenceModelService(backbone, InferenceQueueConfig(batch_rows=args.batch_rows,
                                                                         max_wait_s=args.max_wait_ms / 1000),
@@ -157,7 +157,7 @@ class Cell:
 
         def client(k: int, always_hot: bool) -> None:
             rng, g = random.Random(k * 7919 + self.n), torch.Generator().manual_seed(k)
-            obs = make_batch(PROFILE, 1, g)[0]
+            obs = make_batch(self.profile, 1, g)[0]
             while not stop.is_set():
                 hot = always_hot
                 tenant = self.order[0] if hot else self.draw(rng)
@@ -223,13 +223,12 @@ class Cell:
         self.svc.tiers.close()
 
 
-def limits(backbone, spec: HeadSpec, rows: int, repeats: int) -> dict:
+def limits(backbone, spec: HeadSpec, rows: int, repeats: int, image_size: int) -> dict:
     """One group's forward and one slot's load from disk, each the plain way, interleaved."""
     from safetensors.torch import load_file, save_file
 
     g = torch.Generator().manual_seed(0)
-    batch = [backbone.prepare(make_batch(PROFILE, 1, g)[0]) for _ in range(rows)]
-    template = next(snapshots(backbone, spec, 1))
+    batch = [backbone.prepare(make_batch(profile(image_size), 1, g)[0]) for _ in range(rows)]
     with tempfile.TemporaryDirectory() as d:
         paths = []
         for i, snap in enumerate(snapshots(backbone, spec, 8)):
@@ -255,7 +254,6 @@ def limits(backbone, spec: HeadSpec, rows: int, repeats: int) -> dict:
                 t0 = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - t0)
-    del template
     out = {k: {"p50": quantile(v, 0.5), "p99": quantile(v, 0.99), "n": len(v)} for k, v in times.items()}
     out["rows"] = rows
     out["cold_limit_s"] = out["group_forward_s"]["p99"] + out["slot_load_s"]["p99"]
@@ -279,8 +277,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--image-size", type=int, default=128)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    global PROFILE
-    PROFILE = TaskProfile({"top": (args.image_size, args.image_size)}, 7, 8, 8, "reach the {color} block")
     tenants = [int(x) for x in (args.tenants or ("100,1000" if args.quick else "100,1000,10000")).split(",")]
     kinds = (args.kinds or ("heads" if args.quick else "heads,lora8")).split(",")
     seconds = args.seconds or (4.0 if args.quick else 20.0)
@@ -303,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
                 for cell in (cells if r % 2 == 0 else cells[::-1]):
                     cell.window(args.clients, args.hot_clients, seconds, warm_s=2.0 if r == 0 else 1.0)
             rows = int(statistics.median([c.figures()["median_group_rows"] or 1 for c in cells]))
-            limit = limits(backbone, KINDS[kind], rows, repeats=max(20, 10 * rounds))
+            limit = limits(backbone, KINDS[kind], rows, max(20, 10 * rounds), args.image_size)
             base = next(c for c in cells if c.n == min(tenants)).figures()
             for cell in cells:
                 f = cell.figures()

@@ -1,4 +1,5 @@
 import os
+import time
 
 import pytest
 import torch
@@ -206,3 +207,14 @@ def postgres_url():
 
     with postgres_server() as url:
         yield url
+
+
+def wait_until(cond, timeout_s: float, what: str = "the condition", every_s: float = 0.05):
+    """cond()'s first true value, asked every `every_s` until `timeout_s`; else the test fails naming `what`."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")

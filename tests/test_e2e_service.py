@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import wait_until
+
 pytestmark = pytest.mark.timeout(600)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,13 +43,7 @@ def _serve(data_dir: Path, port: int, log: Path, store_url: str | None = None) -
 
 
 def _wait_for(cond, timeout_s: float, what: str):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    return wait_until(cond, timeout_s, what, every_s=0.5)
 
 
 @pytest.mark.parametrize("store", ["sqlite", "postgresql"])

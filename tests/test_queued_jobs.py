@@ -11,6 +11,7 @@ import types
 import pytest
 from fastapi.testclient import TestClient
 
+from conftest import wait_until
 from test_api import HEAD, bearer, new_tenant, ok
 from vlamux.api.app import create_app
 from vlamux.api.host import ServiceConfig, ServiceHost
@@ -49,14 +50,8 @@ def view(svc, key: str, job_id: str) -> dict:
     return ok(svc.client.get(f"/v1/jobs/{job_id}", headers=bearer(key))).json()["job"]
 
 
-def until(what, timeout_s: float = 60.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = what()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout_s}s")
+def until(cond, timeout_s: float = 60.0):
+    return wait_until(cond, timeout_s)
 
 
 def cancel(svc, key: str, job_id: str) -> dict:

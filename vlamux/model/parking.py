@@ -78,9 +78,10 @@ def park(slot: Slot) -> ParkedSlot:
     return ParkedSlot(slot.tenant, slot.backbone_id, tensors, {**meta, "accumulated": str(slot.accumulated)})
 
 
-def shell_key(head_spec: HeadSpec, backbone_id: str, trainable: bool) -> tuple:
-    """What a slot object must match to take another tenant's parked state (`unpark(shell=)`)."""
-    return head_spec.to_json(), backbone_id, trainable
+def shell_key(head_spec_json: str, backbone_id: str, trainable: bool) -> tuple:
+    """What a slot object must match to take another tenant's parked state (`unpark(shell=)`); the head
+    spec as its JSON (`HeadSpec.to_json`, as a parked slot's metadata holds it)."""
+    return head_spec_json, backbone_id, trainable
 
 
 def packed_copy(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -107,16 +108,16 @@ def unpark(parked: ParkedSlot, feature_meta: FeatureMeta, device="cpu", shell: S
     if feature_meta.backbone_id != parked.backbone_id:
         raise InvalidInputError(f"tenant {parked.tenant!r} was parked from backbone {parked.backbone_id!r}, "
                                 f"not {feature_meta.backbone_id!r}")
-    spec, trainable = HeadSpec.from_json(meta["head_spec"]), meta.get("optimizer") != "none"
+    trainable = meta.get("optimizer") != "none"
     if shell is not None:
-        if shell_key(shell.head_spec, shell.backbone_id, shell.optimizer is not None) != \
-                shell_key(spec, parked.backbone_id, trainable) or shell.device != torch.device(device):
+        if shell_key(shell.head_spec.to_json(), shell.backbone_id, shell.optimizer is not None) != \
+                shell_key(meta["head_spec"], parked.backbone_id, trainable) or shell.device != torch.device(device):
             raise ValueError(f"tenant {parked.tenant!r}: the shell given is a slot of another kind")
         slot = shell
         slot.tenant, slot.seed = parked.tenant, int(meta["seed"])
         slot._host_copies = {}
     else:
-        slot = Slot(parked.tenant, spec, feature_meta, OptimizerSpec(**json.loads(meta["optim_spec"])),
+        slot = Slot(parked.tenant, HeadSpec.from_json(meta["head_spec"]), feature_meta, OptimizerSpec(**json.loads(meta["optim_spec"])),
                     seed=int(meta["seed"]), device=device, init=False, trainable=trainable, **backbone)
     slot_file.restore(slot, tensors, meta)
     params = slot.params

@@ -161,8 +161,7 @@ class InferenceModelService(EngineLoop):
 
     def _page(self) -> None:
         """Between two groups: the slots requests wait for come in, the least recently used go down."""
-        waiting = self.queue.waiting_since()
-        plan, failed = self.tiers.page(list(waiting), waiting)
+        plan, failed = self.tiers.page(self.queue.waiting_since())
         for tenant, error in failed.items():
             self.queue.fail(tenant, error)
         for tenant in plan.never:

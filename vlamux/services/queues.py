@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from vlamux.errors import VlamuxError
+from vlamux.utils.stats import quantile
 
 
 class DeadlineExceeded(VlamuxError, TimeoutError):
@@ -47,15 +48,9 @@ class _Stats:
         self.groups = 0
 
     def snapshot(self) -> dict:
-        def pct(xs, q):
-            if not xs:
-                return 0.0
-            s = sorted(xs)
-            return s[min(len(s) - 1, int(q * len(s)))]
-
         return {
             "groups": self.groups,
-            "wait_p50_s": pct(self.waits, 0.5), "wait_p99_s": pct(self.waits, 0.99),
+            "wait_p50_s": quantile(self.waits, 0.5, 0.0), "wait_p99_s": quantile(self.waits, 0.99, 0.0),
             "group_rows_mean": statistics.fmean(self.group_rows) if self.group_rows else 0.0,
             "group_requests_mean": statistics.fmean(self.group_requests) if self.group_requests else 0.0,
         }
@@ -156,10 +151,6 @@ class InferenceQueue:
     def _oldest(self, tenants: list[str]) -> float | None:
         heads = [self._pending[t][0].enqueued for t in tenants]
         return min(heads) if heads else None
-
-    def waiting_tenants(self) -> list[str]:
-        """Tenants with requests queued, the oldest request's first."""
-        return list(self.waiting_since())
 
     def waiting_since(self) -> dict[str, float]:
         """Tenants with requests queued -> when the oldest came (time.monotonic()), the oldest first."""

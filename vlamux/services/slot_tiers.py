@@ -26,6 +26,7 @@ from vlamux.model.parking import ParkedSlot, park, read_stored, shell_key, store
 from vlamux.model.slot_file import MODULE_PREFIXES
 from vlamux.model.snapshot import PolicySnapshot
 from vlamux.services.pager import PagePlan, Pager, SlotBudget
+from vlamux.utils.stats import quantile
 
 log = logging.getLogger(__name__)
 
@@ -103,21 +104,20 @@ class SlotTiers:
             self._path(tenant).unlink(missing_ok=True)
         self.pager.remove(tenant)
 
-    def page(self, waiting: list[str] = (), since: dict[str, float] | None = None
-             ) -> tuple[PagePlan, dict[str, Exception]]:
-        """Apply the pager's plan now (`waiting`: tenants with requests queued; `since`: when each one's
-        oldest request came, time.monotonic()): park, store, then load what is in host memory and start
+    def page(self, waiting: dict[str, float] | None = None) -> tuple[PagePlan, dict[str, Exception]]:
+        """Apply the pager's plan now (`waiting`: tenants with requests queued -> when the oldest came,
+        time.monotonic(), the oldest first): park, store, then load what is in host memory and start
         reading what is on disk. Returns the plan (its `never`: tenants whose slot can never be resident)
         and the tenants whose stored slot failed to read, with why: the caller answers their requests."""
         t0 = time.monotonic()
         try:
-            return self._page(waiting, since)
+            return self._page(waiting or {})
         finally:
             self.page_s.append(time.monotonic() - t0)
 
-    def _page(self, waiting, since) -> tuple[PagePlan, dict[str, Exception]]:
+    def _page(self, waiting: dict[str, float]) -> tuple[PagePlan, dict[str, Exception]]:
         failed = self._read_back()
-        plan = self.pager.plan(waiting)
+        plan = self.pager.plan(list(waiting))
         # Each move copies first and lets go of the old copy only once the new one exists: a move that
         # fails (no memory, a full disk) leaves the slot where it was, and the next round tries again.
         for t in plan.park:
@@ -143,8 +143,8 @@ class SlotTiers:
                 continue
             self.loads_by_tier["stored" if t in self._from_disk else "parked"] += 1
             self._from_disk.discard(t)
-            if since and t in since:
-                self.load_s.append(time.monotonic() - since[t])
+            if t in waiting:
+                self.load_s.append(time.monotonic() - waiting[t])
             backbone = self.runner.backbones[parked.backbone_id]
             slot = unpark(parked, backbone.meta, backbone.device, shell=self._shell(parked),
                           **self.runner.adapter_targets(parked.backbone_id))
@@ -158,16 +158,14 @@ class SlotTiers:
     def _keep_shell(self, slot: Slot) -> None:
         if slot.optimizer is not None:  # a training slot's optimizer is the tenant's: not reused
             return
-        shells = self._shells.setdefault(shell_key(slot.head_spec, slot.backbone_id, False), [])
+        shells = self._shells.setdefault(shell_key(slot.head_spec.to_json(), slot.backbone_id, False), [])
         if len(shells) < SHELLS:
             shells.append(slot)
 
     def _shell(self, parked: ParkedSlot) -> Slot | None:
         if parked.meta.get("optimizer") != "none":
             return None
-        from vlamux.model.heads import HeadSpec
-
-        shells = self._shells.get(shell_key(HeadSpec.from_json(parked.meta["head_spec"]), parked.backbone_id, False))
+        shells = self._shells.get(shell_key(parked.meta["head_spec"], parked.backbone_id, False))
         return shells.pop() if shells else None
 
     def _read_back(self) -> dict[str, Exception]:
@@ -225,15 +223,11 @@ class SlotTiers:
 
     def metrics(self) -> dict:
         budget = self.pager.budget
-        waits = sorted(self.load_s)
-
-        def q(f):
-            return waits[min(len(waits) - 1, int(f * len(waits)))] if waits else None
-
         shells = [s for kind in self._shells.values() for s in kind]
         return {**self.pager.usage(), "moves": dict(self.moves), "loads_from": dict(self.loads_by_tier),
                 "shells": {"count": len(shells), "bytes": sum(slot_nbytes(s) for s in shells)},
-                "load_wait_s": {"p50": q(0.5), "p99": q(0.99), "n": len(waits)},
+                "load_wait_s": {"p50": quantile(self.load_s, 0.5), "p99": quantile(self.load_s, 0.99),
+                                "n": len(self.load_s)},
                 "budget": {"resident_bytes": budget.resident_bytes, "parked_bytes": budget.parked_bytes}}
 
     def close(self) -> None:
