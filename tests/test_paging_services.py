@@ -250,3 +250,48 @@ def test_a_failed_move_leaves_the_slot_where_it_was_and_a_retired_one_is_answere
     finally:
         paged.stop()
         free.stop()
+
+
+def test_a_parked_slot_comes_up_while_a_group_runs(backbone):
+    """The mover brings a parked slot up while the engine is inside a group (held here): a request for
+    it waits for its copy, not for the group running; both are then answered as an unpaged replica."""
+    import threading
+
+    from conftest import wait_until
+
+    trainer = trained(backbone, 4)
+    one = serving_bytes(trainer)
+    paged = replica(backbone, trainer, SlotBudget(resident_bytes=2 * one))
+    free = replica(backbone, trainer)
+    entered, gate, execute = threading.Event(), threading.Event(), paged.runner.execute
+
+    def held(requests, grouped=True):
+        if any(r.tenant == "t00" for r in requests):
+            entered.set()
+            gate.wait(60)
+        return execute(requests, grouped)
+
+    try:
+        g = torch.Generator().manual_seed(7)
+        obs = {t: make_batch(PROFILE, 1, g)[0] for t in trainer.slots}
+        for t in ("t00", "t01"):  # both replicas draw from each tenant's RNG alike
+            paged.predict(t, obs[t]).result(60)
+            free.predict(t, obs[t]).result(60)
+        parked = sorted(t for t in trainer.slots if not paged.tiers.resident(t))
+        assert parked == ["t02", "t03"], parked
+        paged.runner.execute = held
+        hot = paged.predict("t00", obs["t00"])
+        assert entered.wait(30)
+        cold = paged.predict("t02", obs["t02"])
+        wait_until(lambda: paged.tiers.resident("t02"), 30, "t02's slot to come up while t00's group is held")
+        assert not hot.done() and not cold.done()
+        assert paged.tiers.resident("t00")  # a running group's slot is not taken down to make room
+        gate.set()
+        for t, fut in (("t00", hot), ("t02", cold)):
+            a, b = fut.result(60), free.predict(t, obs[t]).result(60)
+            assert torch.allclose(a["actions"], b["actions"], atol=1e-5), t
+        assert paged.metrics()["slots"]["load_wait_s"]["n"] >= 1
+    finally:
+        gate.set()
+        paged.stop()
+        free.stop()

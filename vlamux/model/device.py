@@ -167,6 +167,8 @@ class Lane:
         level = CUDA_STREAM_PRIORITY[priority]
         self.stream = torch.cuda.Stream(self.device, priority=level) if self.cuda else None
         self.copy_stream = torch.cuda.Stream(self.device, priority=level) if self.cuda else None
+        # a paging service's slot moves (its mover thread), overlapped with the groups on `stream`
+        self.page_stream = torch.cuda.Stream(self.device, priority=level) if self.cuda else None
 
     def __repr__(self) -> str:
         return f"Lane({self.device}, {dtype_name(self.dtype)}, {self.priority})"
@@ -219,6 +221,24 @@ class Lane:
                 yield
         finally:
             self.stream.wait_stream(self.copy_stream)
+
+    @contextlib.contextmanager
+    def paging(self, after_lane: bool = False):
+        """Slot moves between tiers on the calling thread (a paging service's mover), on the page stream,
+        so that they overlap the groups queued on the lane's. after_lane: the copies wait for the work
+        queued on the lane so far (a slot's copy out, after the last group that used it); a copy in
+        needs not. On leaving, the calling thread waits for the page stream's copies alone (an event,
+        not the device): a slot handed to the lane, or a host buffer let go, is complete."""
+        if not self.cuda:
+            yield
+            return
+        if after_lane:
+            self.page_stream.wait_stream(self.stream)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.page_stream):
+            yield
+            done = torch.cuda.Event()
+            done.record(self.page_stream)
+        done.synchronize()
 
     def export(self, tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], object]:
         """Host copies of `tensors` (a policy version) and an event that marks them complete (None

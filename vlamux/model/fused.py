@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -105,26 +106,30 @@ class FusedHeads:
     def __init__(self, max_cached: int = 16):
         self.max_cached = max_cached
         self._cache: OrderedDict[tuple, StackedHeads] = OrderedDict()
+        # the engine stacks while a service's slot mover, on its own thread, forgets the slots it parks
+        self._lock = threading.Lock()
         self.calls = 0  # fused calls made (a fallback to the per-tenant path does not count)
 
     def stacked(self, slots: list[Slot]) -> StackedHeads:
         key = tuple(id(s) for s in slots)
-        heads = self._cache.get(key)
-        # an id can be reused by a new slot once an old one is gone: the entry holds its slots and is
-        # only taken for the very same ones (another tenant's weights must never be served)
-        if heads is None or any(a is not b for a, b in zip(heads.slots, slots)):
-            heads = self._cache[key] = StackedHeads(slots)
-            while len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-            heads.refresh(slots)
-        return heads
+        with self._lock:
+            heads = self._cache.get(key)
+            # an id can be reused by a new slot once an old one is gone: the entry holds its slots and is
+            # only taken for the very same ones (another tenant's weights must never be served)
+            if heads is None or any(a is not b for a, b in zip(heads.slots, slots)):
+                heads = self._cache[key] = StackedHeads(slots)
+                while len(self._cache) > self.max_cached:
+                    self._cache.popitem(last=False)
+            else:
+                self._cache.move_to_end(key)
+                heads.refresh(slots)
+            return heads
 
     def forget(self, slot: Slot) -> None:
         """Drop every cached stack that holds `slot` (it left the runner)."""
-        for key in [k for k, h in self._cache.items() if any(s is slot for s in h.slots)]:
-            del self._cache[key]
+        with self._lock:
+            for key in [k for k, h in self._cache.items() if any(s is slot for s in h.slots)]:
+                del self._cache[key]
 
     # ---- sampling ---------------------------------------------------------------------------------
     @torch.no_grad()

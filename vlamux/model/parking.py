@@ -70,6 +70,8 @@ def park(slot: Slot) -> ParkedSlot:
     tensors, meta = slot_file.state_tensors(slot)
     if slot.device.type == "cpu":  # there state_tensors' .cpu() aliased the slot's own (elsewhere they are copies)
         tensors = packed_copy(tensors)
+    elif slot.device.type == "cuda":  # pinned: its copy back to the device is asynchronous (`unpark`)
+        tensors = packed_copy(tensors, pinned=True)
     for i, p in enumerate(slot.params):
         if p.grad is not None:
             tensors[f"grad.{i}"] = p.grad.detach().to("cpu", copy=True)
@@ -84,15 +86,17 @@ def shell_key(head_spec_json: str, backbone_id: str, trainable: bool) -> tuple:
     return head_spec_json, backbone_id, trainable
 
 
-def packed_copy(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Copies of `tensors` as views of one new buffer per dtype: one allocation and one copy for a
-    slot's fifty-odd tensors instead of fifty (a parked slot's tensors are only ever read whole)."""
+def packed_copy(tensors: dict[str, Tensor], pinned: bool = False) -> dict[str, Tensor]:
+    """Copies of `tensors` (host tensors) as views of one new buffer per dtype: one allocation and one
+    copy for a slot's fifty-odd tensors instead of fifty (a parked slot's tensors are only ever read
+    whole). pinned: in page-locked memory (a CUDA slot's, which then copies to its device asynchronously)."""
     by_dtype: dict[torch.dtype, list[str]] = {}
     for k, v in tensors.items():
         by_dtype.setdefault(v.dtype, []).append(k)
     out = {}
-    for keys in by_dtype.values():
-        flat = torch.cat([tensors[k].reshape(-1) for k in keys])
+    for dtype, keys in by_dtype.items():
+        flat = torch.empty(sum(tensors[k].numel() for k in keys), dtype=dtype, pin_memory=pinned)
+        torch.cat([tensors[k].reshape(-1) for k in keys], out=flat)
         for k, part in zip(keys, flat.split([tensors[k].numel() for k in keys])):
             out[k] = part.view(tensors[k].shape)
     return out

@@ -93,8 +93,8 @@ def restore(slot, tensors: dict[str, Tensor], meta: dict[str, str]) -> None:
         if all(given[k].device == own[k].device for k in keys):
             torch._foreach_copy_([own[k] for k in keys], [given[k] for k in keys])
         else:
-            for k in keys:
-                own[k].copy_(given[k])
+            for k in keys:  # from pinned memory asynchronously: the caller waits (`Lane.paging`)
+                own[k].copy_(given[k], non_blocking=given[k].is_pinned())
     state: dict[int, dict] = {}
     for k, v in tensors.items():
         if k.startswith("optim."):

@@ -5,11 +5,13 @@ A request's life: `predict` puts it on the queue (a future comes back) -> the en
 a due group -> applies any staged policy versions (between groups, so a group never mixes versions)
 -> one grouped runner call -> each request's future gets {actions, policy_version}.
 With a slot budget, a request whose tenant's slot is parked or stored waits in the queue (no group
-takes it) while the engine brings the slot back between two groups (`vlamux.services.slot_tiers`).
+takes it) while the tiers' mover brings the slot back, as the groups of resident tenants run
+(`vlamux.services.slot_tiers`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -49,10 +51,11 @@ class InferenceModelService(EngineLoop):
         self.runner = ModelRunner(backbone, fuse_heads=fuse_heads, priority=priority,
                                   max_adapters_per_group=max_adapters_per_group)
         self.backbone = self.runner.backbones[self.runner.default_backbone]
-        self.tiers = SlotTiers(self.runner, slot_budget) if slot_budget is not None else None
+        self.tiers = SlotTiers(self.runner, slot_budget, name) if slot_budget is not None else None
         self.queue = InferenceQueue(queue, ready=self.tiers.resident if self.tiers is not None else None)
         if self.tiers is not None:
-            self.tiers.on_read = self.queue.wake
+            self.tiers.waiting, self.tiers.on_resident = self.queue.waiting_since, self.queue.wake
+            self.tiers.on_refused = self.queue.fail
         self.accounting = Accounting()
         self._staged: dict[str, PolicySnapshot | Retired] = {}
         self._fresh: set[str] = set()  # staged after a retirement: replaces the slot, whatever its version
@@ -80,37 +83,41 @@ class InferenceModelService(EngineLoop):
         # Under the lock: a tenant is always either staged or served, never momentarily neither.
         # The weights are copied on the lane's copy stream, after the producer's copy is complete,
         # and the next group waits for them: a group runs wholly on one version of each tenant.
+        # With tiers, each tenant's under theirs too: its slot does not move while it is looked at.
         with self._staged_lock:
             (staged, self._staged), (fresh, self._fresh) = (self._staged, {}), (self._fresh, set())
             for tenant, snap in staged.items():
-                if isinstance(snap, Retired) or tenant in fresh:  # its slot goes, from whichever tier
-                    if self.tiers is not None:
-                        self.tiers.retire(tenant)
-                    elif tenant in self.runner.slots:
-                        self.runner.remove_slot(tenant)
-                elif self.tiers is not None and self.tiers.knows(tenant) and not self.tiers.resident(tenant):
-                    self._staged[tenant] = snap  # applied once resident again (its parked RNG goes on)
-                    continue
-                if isinstance(snap, Retired):
-                    if self.tiers is not None:  # its requests would wait for a slot that will not come
-                        self.queue.fail(tenant, UnknownTenantError(f"{self.name}: tenant {tenant!r} is no "
-                                                                   f"longer served"))
-                    self.queue.forget(tenant)
-                    continue
-                slot = self.runner.slots.get(tenant)
-                if slot is not None and snap.version < slot.version:
-                    continue
-                try:
-                    if slot is None and self.tiers is not None and not self.tiers.room_for(snap):
-                        self.tiers.admit_parked(snap)  # resident when asked for, not at the others' cost now
-                        continue
-                    self.runner.apply_policy(snap)
-                    if slot is None and self.tiers is not None:
-                        self.tiers.added(tenant)
-                except Exception as e:  # noqa: BLE001 - one tenant's bad snapshot must not cost the others theirs
-                    log.exception("%s: applying tenant %r version %d failed", self.name, tenant, snap.version)
-                    if slot is None and self.tiers is not None:  # nothing to serve: what waits for it is answered
-                        self.queue.fail(tenant, e)
+                with self.tiers.lock if self.tiers is not None else contextlib.nullcontext():
+                    self._apply_one(tenant, snap, tenant in fresh)
+
+    def _apply_one(self, tenant: str, snap: PolicySnapshot | Retired, fresh: bool) -> None:
+        if isinstance(snap, Retired) or fresh:  # its slot goes, from whichever tier
+            if self.tiers is not None:
+                self.tiers.retire(tenant)
+            elif tenant in self.runner.slots:
+                self.runner.remove_slot(tenant)
+        elif self.tiers is not None and self.tiers.knows(tenant) and not self.tiers.resident(tenant):
+            self._staged[tenant] = snap  # applied once resident again (its parked RNG goes on)
+            return
+        if isinstance(snap, Retired):
+            if self.tiers is not None:  # its requests would wait for a slot that will not come
+                self.queue.fail(tenant, UnknownTenantError(f"{self.name}: tenant {tenant!r} is no longer served"))
+            self.queue.forget(tenant)
+            return
+        slot = self.runner.slots.get(tenant)
+        if slot is not None and snap.version < slot.version:
+            return
+        try:
+            if slot is None and self.tiers is not None and not self.tiers.room_for(snap):
+                self.tiers.admit_parked(snap)  # resident when asked for, not at the others' cost now
+                return
+            self.runner.apply_policy(snap)
+            if slot is None and self.tiers is not None:
+                self.tiers.added(tenant)
+        except Exception as e:  # noqa: BLE001 - one tenant's bad snapshot must not cost the others theirs
+            log.exception("%s: applying tenant %r version %d failed", self.name, tenant, snap.version)
+            if slot is None and self.tiers is not None:  # nothing to serve: what waits for it is answered
+                self.queue.fail(tenant, e)
 
     def policy_version(self, tenant: str) -> int | None:
         """The version the tenant's next group will be served with (a staged one counts)."""
@@ -138,38 +145,33 @@ class InferenceModelService(EngineLoop):
             raise UnknownTenantError(f"{self.name} has no policy for tenant {tenant!r}")
         future = self.queue.submit(tenant, obs.batch_size, _Predict(obs, deterministic), deadline_s)
         if self.tiers is not None:
-            self.tiers.prefetch(tenant)  # a slot on disk starts coming back while the current group runs
+            self.tiers.want(tenant)  # a slot below resident starts coming up while the current group runs
         return future
+
+    def start(self):
+        if self.tiers is not None:
+            self.tiers.start()
+        return super().start()
 
     def run_once(self, timeout: float | None = 0.1) -> int:
         """Serve one due group (the engine loop's body); returns the number of requests served."""
         group = self.queue.next_group(timeout)
         with self.runner.lane.active():  # this replica's own CUDA stream
-            self._apply_staged()
             if self.tiers is None:
+                self._apply_staged()
                 return self._serve(group) if group else 0
-            tenants = [item.tenant for item in group if item.tenant in self.runner.slots]
-            self.tiers.pager.pin(tenants)  # a group's slots stay resident while it runs
+            # a group's slots stay resident while it runs; one the mover took down since the queue
+            # looked goes back to wait for it (then versions staged for the others apply, before it runs)
+            pinned = self.tiers.claim([item.tenant for item in group])
+            lost = [item for item in group if item.tenant not in pinned]
+            if lost:
+                self.queue.requeue(lost)
+                group = [item for item in group if item.tenant in pinned]
             try:
-                try:
-                    self._page()
-                except Exception:  # noqa: BLE001 - paging failed (it is tried again next round): the group runs
-                    log.exception("%s: paging slots failed", self.name)
+                self._apply_staged()
                 return self._serve(group) if group else 0
             finally:
-                self.tiers.pager.unpin(tenants)
-
-    def _page(self) -> None:
-        """Between two groups: the slots requests wait for come in, the least recently used go down."""
-        plan, failed = self.tiers.page(self.queue.waiting_since())
-        for tenant, error in failed.items():
-            self.queue.fail(tenant, error)
-        for tenant in plan.never:
-            self.queue.fail(tenant, InvalidInputError(
-                f"{self.name}: the slot of tenant {tenant!r} ({self.tiers.pager.entries[tenant].nbytes} bytes) is "
-                f"larger than this replica's whole slot budget ({self.tiers.pager.budget.resident_bytes} bytes)"))
-        # versions staged while they were parked apply at the next round's start, before any group of
-        # theirs (not here: this round's group is pinned, and a retirement now would unpin it)
+                self.tiers.release(pinned)
 
     def _serve(self, group) -> int:
         t0 = time.perf_counter()

@@ -174,6 +174,18 @@ class InferenceQueue:
                     item.future.set_exception(error)
             self._pending.pop(tenant, None)
 
+    def requeue(self, items: list[Queued]) -> None:
+        """Items of a group taken that cannot run after all (their tenant's slot moved between the look
+        and the take): back at the head of their tenants' queues, as if never taken."""
+        with self._cv:
+            for item in reversed(items):
+                if item.future.done():
+                    continue
+                self._pending.setdefault(item.tenant, collections.deque()).appendleft(item)
+                self._rows += item.rows
+                self._served[item.tenant] = self._served.get(item.tenant, 0.0) - item.rows
+            self._cv.notify_all()
+
     def next_group(self, timeout: float | None = None) -> list[Queued]:
         """Block until a group is due (or `timeout` passes, or the queue closes); return it, maybe empty."""
         end = None if timeout is None else time.monotonic() + timeout

@@ -2,10 +2,15 @@
 
 The runner holds the resident slots (its `slots` are those, and only those); this holds the parked
 ones (`ParkedSlot`s in host memory) and the stored ones (slot files in a spool directory of its own,
-scratch: never read after a restart, when jobs resume from their checkpoints), and applies the
-pager's plan between two groups, on the engine thread, which alone changes the runner's slots. A
-stored slot is read back (and verified) on a loader thread of its own, so the groups of resident
-tenants go on meanwhile; once read it is parked, and a next round makes it resident.
+scratch: never read after a restart, when jobs resume from their checkpoints). Its mover, a thread of
+its own, applies the pager's plan while the engine runs groups: the slots requests wait for come in,
+the least recently used go down. A group's slots are pinned (`claim`) and never move while it runs;
+every other slot may, so a request for a slot below resident waits for its copy, not for the group
+running meanwhile. A stored slot is read back (and verified) on a loader thread, then loaded.
+
+Locking: `lock` guards which tier holds each slot (the runner's `slots`, `parked`, the pager's
+tiers); the copies run outside it. The mover takes no other lock while it holds this one, and a look
+at whether a slot is resident takes none (the queue asks under its own).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
+from vlamux.errors import InvalidInputError
 from vlamux.model import ModelRunner, Slot
 from vlamux.model.parking import ParkedSlot, park, read_stored, shell_key, store, unpark
 from vlamux.model.slot_file import MODULE_PREFIXES
@@ -39,30 +45,40 @@ def slot_nbytes(slot) -> int:
 
 
 class SlotTiers:
-    """`on_read`: called (on the loader thread) when a stored slot has been read back, so that the
-    engine's next round, which makes it resident, need not wait for a group to come due."""
+    """name: the service's, for errors. Set by the service once its queue exists:
+    waiting() -> {tenant: when its oldest request came, time.monotonic()}, the oldest first (what the
+    mover brings in); on_resident(): slots were made resident (the queue looks again);
+    on_refused(tenant, error): that tenant's requests cannot be served (its stored slot is unreadable,
+    or larger than the whole budget)."""
 
-    def __init__(self, runner: ModelRunner, budget: SlotBudget, on_read: Callable[[], None] | None = None):
-        self.runner = runner
+    def __init__(self, runner: ModelRunner, budget: SlotBudget, name: str = "slots"):
+        self.runner, self.name = runner, name
         self.pager = Pager(budget)
-        self.on_read = on_read
+        self.waiting: Callable[[], dict[str, float]] = dict
+        self.on_resident: Callable[[], None] = lambda: None
+        self.on_refused: Callable[[str, Exception], None] = lambda tenant, error: None
+        self.lock = threading.RLock()
         self.load_s: deque[float] = deque(maxlen=4096)  # a wanted slot's wait: its oldest request to resident
-        self.page_s: deque[float] = deque(maxlen=4096)  # each paging round's time (the engine's, between groups)
+        self.page_s: deque[float] = deque(maxlen=4096)  # each paging round's time (the mover's)
         self.loads_by_tier = {"parked": 0, "stored": 0}  # where the slots made resident came from
         self.parked: dict[str, ParkedSlot] = {}
-        self.versions: dict[str, int] = {}  # of the slots below resident
+        self.versions: dict[str, int] = {}  # of the slots below resident (and on their way up)
         self._spool: Path | None = None
         self.moves = {"park": 0, "store": 0, "load": 0, "read": 0}
         self._reading: dict[str, Future] = {}  # stored slots being read back
-        self._reading_lock = threading.Lock()  # `prefetch` starts reads from request threads
+        self._reading_lock = threading.Lock()  # `want` starts reads from request threads
         self._from_disk: set[str] = set()  # parked slots that were read back, not loaded yet
         # slot objects of serving slots just parked, by kind: a load of the same kind copies into one
         # instead of building a head's modules anew (SHELLS at most of each kind; their bytes are
-        # counted in `metrics`, outside the budget)
+        # counted in `metrics`, outside the budget). The mover's alone.
         self._shells: dict[tuple, list[Slot]] = {}
         self._loader: ThreadPoolExecutor | None = None
         self._loader_lock = threading.Lock()
+        self._kick = threading.Event()
+        self._mover: threading.Thread | None = None
+        self._closed = False
 
+    # ---- membership (any thread; a look takes no lock) ----------------------------------------------
     def knows(self, tenant: str) -> bool:
         return tenant in self.pager.entries
 
@@ -71,7 +87,9 @@ class SlotTiers:
 
     def added(self, tenant: str) -> None:
         """A slot the runner made resident (a new tenant's)."""
-        self.pager.add(tenant, slot_nbytes(self.runner.slots[tenant]))
+        with self.lock:
+            self.pager.add(tenant, slot_nbytes(self.runner.slots[tenant]))
+        self._kick.set()  # over the budget now: the least recently used go down
 
     def room_for(self, snap: PolicySnapshot) -> bool:
         """Whether a new tenant's slot fits the resident budget beside the slots already there."""
@@ -85,75 +103,182 @@ class SlotTiers:
         slot = Slot(snap.tenant, snap.head_spec, backbone.meta, device="cpu", init=False, trainable=False,
                     **self.runner.adapter_targets(snap.backbone_id))
         slot.apply_policy(snap.ready())
-        # its parked bytes are the resident slot's: what the pager plans with in every tier
-        self.parked[snap.tenant], self.versions[snap.tenant] = park(slot), snap.version
-        self.pager.add(snap.tenant, slot_nbytes(slot), tier="parked")
+        with self.lock:  # its parked bytes are the resident slot's: what the pager plans with in every tier
+            self.parked[snap.tenant], self.versions[snap.tenant] = park(slot), snap.version
+            self.pager.add(snap.tenant, slot_nbytes(slot), tier="parked")
 
     def retire(self, tenant: str) -> None:
-        """The tenant is no longer served: its slot goes from whichever tier holds it."""
-        if tenant in self.runner.slots:
-            self.runner.remove_slot(tenant)
-        self.parked.pop(tenant, None)
-        self.versions.pop(tenant, None)
-        self._from_disk.discard(tenant)
-        with self._reading_lock:
-            reading = self._reading.pop(tenant, None)
-        if reading is not None:
-            reading.cancel()
-        if self._spool is not None:
-            self._path(tenant).unlink(missing_ok=True)
-        self.pager.remove(tenant)
+        """The tenant is no longer served: its slot goes from whichever tier holds it (a move of it
+        under way finds it gone, and drops its copy)."""
+        with self.lock:
+            if tenant in self.runner.slots:
+                self.runner.remove_slot(tenant)
+            self.parked.pop(tenant, None)
+            self.versions.pop(tenant, None)
+            self._from_disk.discard(tenant)
+            with self._reading_lock:
+                reading = self._reading.pop(tenant, None)
+            if reading is not None:
+                reading.cancel()
+            if self._spool is not None:
+                self._path(tenant).unlink(missing_ok=True)
+            self.pager.remove(tenant)
 
-    def page(self, waiting: dict[str, float] | None = None) -> tuple[PagePlan, dict[str, Exception]]:
-        """Apply the pager's plan now (`waiting`: tenants with requests queued -> when the oldest came,
-        time.monotonic(), the oldest first): park, store, then load what is in host memory and start
-        reading what is on disk. Returns the plan (its `never`: tenants whose slot can never be resident)
-        and the tenants whose stored slot failed to read, with why: the caller answers their requests."""
+    def claim(self, tenants: list[str]) -> set[str]:
+        """Pin the slots of a group's tenants, those still resident (the mover may have moved one since
+        the queue looked): they stay resident until `release`. Returns the tenants pinned."""
+        with self.lock:
+            pinned = {t for t in tenants if t in self.runner.slots}
+            self.pager.pin(pinned)
+            return pinned
+
+    def release(self, tenants) -> None:
+        """A group has run: its slots may move again, and room may be made for what waits."""
+        self.pager.unpin(tenants)
+        self._kick.set()
+
+    def want(self, tenant: str) -> None:
+        """A request for `tenant` came (any thread): a slot below resident starts coming up now (one on
+        disk is read at once, while the current group runs)."""
+        e = self.pager.entries.get(tenant)
+        if e is None or e.tier == "resident":
+            return
+        if e.tier == "stored":
+            self._start_read(tenant)
+        self._kick.set()
+
+    # ---- the mover ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the mover (the service's start)."""
+        with self._loader_lock:
+            if self._mover is None and not self._closed:
+                self._mover = threading.Thread(target=self._move, name=f"vlamux-{self.name}-mover", daemon=True)
+                self._mover.start()
+
+    def _move(self) -> None:
+        while not self._closed:
+            self._kick.wait(0.1)  # kicked by a request, a group's end or a read; else a look each 0.1 s
+            self._kick.clear()
+            if self._closed:
+                return
+            try:
+                self.page(self.waiting())
+            except Exception:  # noqa: BLE001 - tried again next round; the groups go on
+                log.exception("%s: paging slots failed", self.name)
+
+    def page(self, waiting: dict[str, float] | None = None) -> PagePlan:
+        """One paging round now, on the calling thread (the mover's, or a test's): park, store, then load
+        what is in host memory and start reading what is on disk (`waiting`: tenants with requests
+        queued -> when the oldest came, the oldest first). Tenants that cannot be served are refused
+        (`on_refused`). Returns the plan."""
         t0 = time.monotonic()
+        waiting = waiting or {}
         try:
-            return self._page(waiting or {})
+            failed = self._read_back()
+            with self.lock:
+                plan = self.pager.plan(list(waiting))
+                # what leaves the runner leaves it now (no group can take it from here on), what comes
+                # up has its room now; the copies follow, outside the lock
+                out = [(t, self._leave(t)) for t in plan.park]
+                up = [(t, self.parked.pop(t)) for t in plan.load if t in self.parked]
+                for t, _ in up:
+                    self.pager.moved(t, "resident")
+                reads = [t for t in plan.load if not self._here(t, "resident")]  # on disk
+            for t, slot in out:
+                self._park(t, slot)
+            for t in plan.store:
+                self._store(t)
+            for t in reads:  # on disk: read on the loader thread; loaded on a later round
+                self._start_read(t)
+            with self.runner.lane.paging():
+                loaded = [(t, self._unpark(t, parked)) for t, parked in up]
+            with self.lock:
+                for t, slot in loaded:
+                    self._arrive(t, slot, waiting)
+            if loaded:
+                self.on_resident()
+            for t, error in failed.items():
+                self.on_refused(t, error)
+            for t in plan.never:
+                self.on_refused(t, InvalidInputError(
+                    f"{self.name}: the slot of tenant {t!r} ({self.pager.entries[t].nbytes} bytes) is larger than "
+                    f"this replica's whole slot budget ({self.pager.budget.resident_bytes} bytes)"))
+            return plan
         finally:
             self.page_s.append(time.monotonic() - t0)
 
-    def _page(self, waiting: dict[str, float]) -> tuple[PagePlan, dict[str, Exception]]:
-        failed = self._read_back()
-        plan = self.pager.plan(list(waiting))
-        # Each move copies first and lets go of the old copy only once the new one exists: a move that
-        # fails (no memory, a full disk) leaves the slot where it was, and the next round tries again.
-        for t in plan.park:
-            slot = self.runner.slots[t]
-            self.parked[t], self.versions[t] = park(slot), slot.version
-            self.runner.remove_slot(t)
-            self.pager.moved(t, "parked", holds_gradients=slot.accumulated > 0)
-            self.moves["park"] += 1
-            self._keep_shell(slot)
-        for t in plan.store:
-            try:
-                store(self.parked[t], self._path(t), durable=False)  # scratch: a restart never reads it
-            except OSError:  # a full disk: it stays parked, over the host budget; the loads below go on
-                log.exception("storing tenant %r's slot failed; it stays in host memory", t)
-                continue
-            del self.parked[t]
-            self.pager.moved(t, "stored")
-            self.moves["store"] += 1
-        for t in plan.load:
-            parked = self.parked.get(t)
-            if parked is None:  # on disk: read on the loader thread; resident on a later round
-                self._start_read(t)
-                continue
-            self.loads_by_tier["stored" if t in self._from_disk else "parked"] += 1
-            self._from_disk.discard(t)
-            if t in waiting:
-                self.load_s.append(time.monotonic() - waiting[t])
-            backbone = self.runner.backbones[parked.backbone_id]
-            slot = unpark(parked, backbone.meta, backbone.device, shell=self._shell(parked),
+    # Each move copies first and lets go of the old copy only once the new one exists: a move that
+    # fails (no memory, a full disk) leaves the slot where it was, and a next round tries again.
+    def _leave(self, t: str) -> Slot:
+        slot = self.runner.remove_slot(t)
+        self.versions[t] = slot.version
+        self.pager.moved(t, "parked", holds_gradients=slot.accumulated > 0)
+        return slot
+
+    def _park(self, t: str, slot: Slot) -> None:
+        try:
+            with self.runner.lane.paging(after_lane=True):  # after the last group that used it
+                parked = park(slot)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: parking tenant %r's slot failed; it stays resident", self.name, t)
+            with self.lock:
+                if self._here(t, "parked") and t not in self.runner.slots:
+                    self.runner.add_slot(slot)
+                    self.versions.pop(t, None)
+                    self.pager.moved(t, "resident")
+            return
+        with self.lock:
+            if self._here(t, "parked") and t not in self.parked:  # not retired meanwhile
+                self.parked[t] = parked
+                self.moves["park"] += 1
+        self._keep_shell(slot)
+
+    def _store(self, t: str) -> None:
+        parked = self.parked.get(t)
+        if parked is None:
+            return
+        try:
+            store(parked, self._path(t), durable=False)  # scratch: a restart never reads it
+        except OSError:  # a full disk: it stays parked, over the host budget; the loads go on
+            log.exception("%s: storing tenant %r's slot failed; it stays in host memory", self.name, t)
+            return
+        with self.lock:
+            if self.parked.get(t) is parked and self._here(t, "parked"):
+                del self.parked[t]
+                self.pager.moved(t, "stored")
+                self.moves["store"] += 1
+            else:  # retired (or served afresh) while it was written
+                self._path(t).unlink(missing_ok=True)
+
+    def _unpark(self, t: str, parked: ParkedSlot) -> Slot | ParkedSlot:
+        """The resident slot, or `parked` back where the copy failed."""
+        backbone = self.runner.backbones[parked.backbone_id]
+        try:
+            return unpark(parked, backbone.meta, backbone.device, shell=self._shell(parked),
                           **self.runner.adapter_targets(parked.backbone_id))
-            self.runner.add_slot(slot)
-            del self.parked[t]
-            self.versions.pop(t, None)
-            self.pager.moved(t, "resident", nbytes=slot_nbytes(slot))
-            self.moves["load"] += 1
-        return plan, failed
+        except Exception:  # noqa: BLE001
+            log.exception("%s: loading tenant %r's slot failed; it stays in host memory", self.name, t)
+            return parked
+
+    def _arrive(self, t: str, slot: Slot | ParkedSlot, waiting: dict[str, float]) -> None:
+        if not self._here(t, "resident") or t in self.runner.slots:
+            return  # retired (or served afresh) while it was copied
+        if isinstance(slot, ParkedSlot):
+            self.parked[t] = slot
+            self.pager.moved(t, "parked")
+            return
+        self.runner.add_slot(slot)
+        self.versions.pop(t, None)
+        self.pager.moved(t, "resident", nbytes=slot_nbytes(slot))
+        self.loads_by_tier["stored" if t in self._from_disk else "parked"] += 1
+        self._from_disk.discard(t)
+        if t in waiting:
+            self.load_s.append(time.monotonic() - waiting[t])
+        self.moves["load"] += 1
+
+    def _here(self, t: str, tier: str) -> bool:
+        e = self.pager.entries.get(t)
+        return e is not None and e.tier == tier
 
     def _keep_shell(self, slot: Slot) -> None:
         if slot.optimizer is not None:  # a training slot's optimizer is the tenant's: not reused
@@ -176,28 +301,22 @@ class SlotTiers:
             for t in done:
                 del self._reading[t]
         for t, reading in done.items():
-            if self.pager.entries.get(t) is None or self.pager.entries[t].tier != "stored":
-                continue  # retired meanwhile
-            try:
-                self.parked[t] = reading.result()
-            except Exception as e:  # noqa: BLE001 - that tenant's requests are answered with it
-                # its only copy is unreadable: the slot is lost here (a new policy version brings it back)
-                log.exception("reading tenant %r's stored slot back failed", t)
-                failed[t] = e
-                self.retire(t)
-                continue
-            self._path(t).unlink(missing_ok=True)  # parked now: the file was its only use
-            self._from_disk.add(t)
-            self.pager.moved(t, "parked")
-            self.moves["read"] += 1
+            with self.lock:
+                if not self._here(t, "stored"):
+                    continue  # retired meanwhile
+                try:
+                    self.parked[t] = reading.result()
+                except Exception as e:  # noqa: BLE001 - that tenant's requests are answered with it
+                    # its only copy is unreadable: the slot is lost here (a new policy version brings it back)
+                    log.exception("%s: reading tenant %r's stored slot back failed", self.name, t)
+                    failed[t] = e
+                    self.retire(t)
+                    continue
+                self._path(t).unlink(missing_ok=True)  # parked now: the file was its only use
+                self._from_disk.add(t)
+                self.pager.moved(t, "parked")
+                self.moves["read"] += 1
         return failed
-
-    def prefetch(self, tenant: str) -> None:
-        """A request for `tenant` came: if its slot is on disk, start reading it now (any thread), so it is
-        in host memory by the round after the group that runs meanwhile."""
-        e = self.pager.entries.get(tenant)
-        if e is not None and e.tier == "stored":
-            self._start_read(tenant)
 
     def _start_read(self, tenant: str) -> None:
         with self._reading_lock:
@@ -208,8 +327,7 @@ class SlotTiers:
         try:
             return read_stored(self._path(tenant))
         finally:
-            if self.on_read is not None:
-                self.on_read()
+            self._kick.set()  # the mover makes it resident at once, not at its next look
 
     def _reader(self) -> ThreadPoolExecutor:
         with self._loader_lock:
@@ -223,7 +341,7 @@ class SlotTiers:
 
     def metrics(self) -> dict:
         budget = self.pager.budget
-        shells = [s for kind in self._shells.values() for s in kind]
+        shells = [s for kind in list(self._shells.values()) for s in list(kind)]  # the mover changes them
         return {**self.pager.usage(), "moves": dict(self.moves), "loads_from": dict(self.loads_by_tier),
                 "shells": {"count": len(shells), "bytes": sum(slot_nbytes(s) for s in shells)},
                 "load_wait_s": {"p50": quantile(self.load_s, 0.5), "p99": quantile(self.load_s, 0.99),
@@ -231,6 +349,10 @@ class SlotTiers:
                 "budget": {"resident_bytes": budget.resident_bytes, "parked_bytes": budget.parked_bytes}}
 
     def close(self) -> None:
+        self._closed = True
+        self._kick.set()
+        if self._mover is not None and self._mover is not threading.current_thread():
+            self._mover.join(timeout=10)
         if self._loader is not None:
             self._loader.shutdown(wait=False, cancel_futures=True)
         if self._spool is not None:
