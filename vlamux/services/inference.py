@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from vlamux.errors import InvalidInputError, UnknownTenantError
+from vlamux.errors import UnknownTenantError
 from vlamux.model import Backbone, ModelRunner, Observation, Sample
 from vlamux.model.snapshot import PolicySnapshot
 from vlamux.services.accounting import Accounting
