@@ -114,7 +114,7 @@ class Cell:
             self.svc.stage_policy(snap)
             if i % 250 == 249:
                 self._registered(i + 1)
-        self._registered(n)
+        self._registered(n, settled=True)
         self.register_s = time.perf_counter() - t0
         self.rss_growth = rss_bytes() - before
         order = [f"t{i:05d}" for i in range(n)]
@@ -130,12 +130,14 @@ class Cell:
         self.page_s: list[float] = []
         print(f"  {kind} N={n}: registered in {self.register_s:.1f}s, {self.svc.metrics()['slots']}", flush=True)
 
-    def _registered(self, n: int, timeout_s: float = 600.0) -> None:
-        """Wait until the service knows n tenants (staged ones are applied between its rounds)."""
+    def _registered(self, n: int, timeout_s: float = 600.0, settled: bool = False) -> None:
+        """Wait until the service knows n tenants (staged ones are applied between its rounds), and
+        (settled) its mover has stored what the host budget does not hold."""
         deadline = time.monotonic() + timeout_s
         while True:
             slots = self.svc.metrics()["slots"]
-            if sum(slots[t]["count"] for t in ("resident", "parked", "stored")) >= n:
+            if sum(slots[t]["count"] for t in ("resident", "parked", "stored")) >= n and (
+                    not settled or slots["parked"]["bytes"] <= self.budget.parked_bytes):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{n} tenants not registered after {timeout_s}s: {slots}")

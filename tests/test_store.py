@@ -374,3 +374,48 @@ def test_concurrent_writers_in_several_processes_lose_nothing(open_store):
     assert s.usage_totals(t.id) == {t.id: {"steps": 400.0, "gpu_s": 200.0}}
     assert sum(len(s.job_events(j)) - 1 for j in jobs) == 4 * 5  # 5 transitions per process, none lost
     s.close()
+
+
+def test_usage_is_kept_by_the_hour_and_each_write_adds_to_its_row(store):
+    """A meter writes four times a second: the rows are one per tenant, kind, job and hour, not one a
+    write, and the totals are exact."""
+    from sqlalchemy import func, select
+
+    from vlamux.store.models import UsageRow
+
+    t = store.create_tenant("acme")
+    job = store.create_job(t.id, "j", "sft", {}, "/w").id
+    for _ in range(50):
+        store.record_usage_many([(t.id, "gpu_s", 0.25, job), (t.id, "gpu_s", 0.5, None), (t.id, "steps", 1, job)])
+    assert store.usage_totals(t.id) == {t.id: {"gpu_s": 37.5, "steps": 50.0}}
+    with store._read() as s:
+        rows = s.scalar(select(func.count()).select_from(UsageRow))
+    assert rows <= 3 * 2, rows  # an hour boundary during the loop makes a second row each at most
+
+
+def test_pruning_a_tenants_job_history_keeps_its_usage_and_touches_no_one_else(store):
+    """Finished jobs past the `keep` newest leave with their events and checkpoints; running and
+    spared jobs stay; the tenant's usage totals do not change; another tenant's jobs are untouched."""
+    a, b = store.create_tenant("a"), store.create_tenant("b")
+    jobs = []
+    for i in range(5):
+        j = store.create_job(a.id, f"j{i}", "sft", {}, f"/w/{i}").id
+        store_mod.time.sleep(0.002)  # created_at orders them
+        store.set_job_state(j, "succeeded" if i < 4 else "running")
+        store.add_checkpoint(a.id, j, 1, f"/w/{i}/c.safetensors", 10, SHA, job_id=j)
+        store.record_usage_many([(a.id, "gpu_s", 1.0 + i, j), (a.id, "steps", 2, j)])
+        jobs.append(j)
+    other = store.create_job(b.id, "old", "sft", {}, "/w/b").id
+    store.set_job_state(other, "succeeded")
+    store.record_usage(b.id, "gpu_s", 7.0, job_id=other)
+    before = store.usage_totals()
+    gone = store.prune_jobs(a.id, keep=1, spare=[jobs[0]])
+    # finished newest first: j3 (kept: keep=1), j2, j1, j0 (spared) -> j2 and j1 go; j4 runs
+    assert sorted(r.id for r in gone) == sorted([jobs[1], jobs[2]])
+    assert {r.id for r in store.list_jobs(a.id)} == {jobs[0], jobs[3], jobs[4]}
+    assert store.usage_totals() == before
+    assert store.job_events(jobs[1]) == [] and store.list_checkpoints(a.id, job_id=jobs[2]) == []
+    assert len(store.list_checkpoints(a.id)) == 3
+    assert [r.id for r in store.list_jobs(b.id)] == [other] and store.prune_jobs(a.id, keep=1, spare=[jobs[0]]) == []
+    with pytest.raises(ValueError, match="keep"):
+        store.prune_jobs(a.id, keep=-1)

@@ -31,6 +31,7 @@ from vlamux.api.faults import NotFound
 from vlamux.api.host import ServiceHost
 from vlamux.api.jobs import json_safe
 from vlamux.api.keycache import TTLCache
+from vlamux.api.responses import ResponseCounts
 from vlamux.api.session_routes import add_session_routes
 from vlamux.api.validate import (MSGPACK, MSGPACK_OUT, KeyIn, LoadStateIn, OptimStepIn, QuotasIn, SlotIn, TenantIn,
                                  fits_head, floats, head_error, invalid, observation)
@@ -71,7 +72,8 @@ def create_app(host: ServiceHost) -> FastAPI:
 
     app.add_middleware(BodyLimit, limit=limit, json_limit=int(host.config.max_json_kb * 1024),
                        read_timeout_s=host.config.body_timeout_s, upload_limit=int(host.config.max_upload_mb * (1 << 20)))
-    app.add_middleware(Admission, host=host)  # added last: it runs first, before the body is read
+    app.add_middleware(Admission, host=host)  # it runs first, before the body is read
+    app.add_middleware(ResponseCounts, counts=host.responses, lock=host.responses_lock)  # outermost: every answer
 
     async def principal(request: Request) -> Principal:
         auth = request.headers.get("authorization", "")

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -79,6 +80,9 @@ class ServiceConfig:
     max_env_processes_total: int | None = None
     # jobs running at once, all tenants together (None: no limit); past it jobs are accepted and queued
     max_running_jobs: int | None = None
+    # finished jobs kept per tenant (record, events, checkpoints, files); older ones go as a job ends
+    # (their usage stays in the tenant's totals; a policy being served is kept). None: all kept
+    job_history: int | None = 100
     # backend "gym" for tenants: the gymnasium ids the operator allows, each with the env_kwargs it may
     # take. Empty: off. A tenant's string never reaches gym.make unless it is one of these ids exactly
     # (gymnasium imports the module an id like "pkg:Env-v0" names).
@@ -99,6 +103,8 @@ class ServiceHost:
         self.ledger = Ledger({"processes": cap if cap is not None else 8 * (os.cpu_count() or 1),
                               "jobs": self.config.max_running_jobs})
         self.futures = Futures(self.config.max_waits_per_tenant)
+        self.responses: Counter = Counter()  # HTTP answers by status class (vlamux.api.responses)
+        self.responses_lock = threading.Lock()
         self.sessions = Sessions(lambda: self.runtime.environment, self.ledger, self._reserve, self.config.gym_envs,
                                  self.config.env_workers)
         self.files = TenantFiles(self.data_dir, self.access.quotas, self._backbone_hashes)
@@ -121,7 +127,8 @@ class ServiceHost:
         self.served = ServedPolicies(self.runtime, idle_s=self.config.serve_idle_s)
         queue = JobQueue(self.ledger, lambda job_id: self.jobs.fraction(job_id))
         self.jobs = Jobs(self.store, self.master, self.files, self.data_dir, self.config.gym_envs,
-                         self.access.quotas, self._reserve, self.ledger.release, queue)
+                         self.access.quotas, self._reserve, self.ledger.release, queue,
+                         history=self.config.job_history, serving=self.served.serving)
         self.ledger.on_release = queue.pump
         self.slots = TrainingSlots(self.store, self.runtime, self.futures, self.data_dir, self._reserve,
                                    self.ledger.release)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -37,9 +38,12 @@ class Jobs:
 
     def __init__(self, store: Store, master: MasterService, files: TenantFiles, data_dir: Path, gym_envs: dict,
                  quotas: Callable[[str], dict], reserve: Callable[..., None], release: Callable[[str, str], None],
-                 queue: JobQueue):
+                 queue: JobQueue, history: int | None = None, serving: Callable[[], list[str]] = list):
+        """history: finished jobs kept per tenant (None: all); serving() -> the slot keys of the
+        policies being served (kept whatever their age)."""
         self.store, self.master, self.files, self.data_dir, self.gym_envs = store, master, files, data_dir, gym_envs
         self._quotas, self._reserve, self._release, self.queue = quotas, reserve, release, queue
+        self.history, self._serving = history, serving
 
     def submit(self, tenant_id: str, spec: dict) -> dict:
         """Accept a job: its tenant's quotas are checked now (429 past them); it starts at once if the
@@ -116,6 +120,8 @@ class Jobs:
                 error = detail.get("error")  # what the tenant reads: no path of the service's
                 self.store.set_job_state(job_id, detail["state"], error=public_message(error) if error else None,
                                          result=json_safe(jsonable(result)) if result is not None else None)
+                if detail["state"] in ("succeeded", "failed", "cancelled"):
+                    self.prune(tenant_id)
             elif kind == "checkpoint":
                 self.store.set_job_progress(job_id, json_safe(jsonable(job.progress)))
                 path = Path(detail["path"])
@@ -123,6 +129,17 @@ class Jobs:
                                           path.stat().st_size, file_sha256(path), job_id=job_id)
 
         self.master.submit(spec, job_id=job_id, job_dir=workdir, on_event=on_event)
+
+    def prune(self, tenant_id: str) -> None:
+        """The tenant's finished jobs past the history kept leave the store and the disk."""
+        if self.history is None:
+            return
+        try:
+            served = {key.partition("/")[2] for key in self._serving() if key.startswith(f"{tenant_id}/")}
+            for rec in self.store.prune_jobs(tenant_id, self.history, spare=served):
+                shutil.rmtree(rec.workdir, ignore_errors=True)
+        except Exception:  # noqa: BLE001 - the next job's end tries again; the job itself is done
+            log.exception("pruning the job history of tenant %s failed", tenant_id)
 
     def resume_all(self) -> None:
         """Jobs that ran before a restart start again at once (they were admitted: they hold their

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from vlamux.api.responses import CLASSES
 from vlamux.store import SLOT_STATES
 
 
@@ -102,13 +103,18 @@ class _Collector:
             for kind, v in kinds.items():
                 usage.add_metric([names.get(tid, tid), kind], v)
         yield usage
-        jobs = GaugeMetricFamily("vlamux_jobs", "Jobs by state", labels=["state"])
-        counts: dict[str, int] = {}
-        for rec in store.list_jobs():
-            counts[rec.state] = counts.get(rec.state, 0) + 1
+        jobs = GaugeMetricFamily("vlamux_jobs", "Jobs on record by state (finished ones within the job history kept)",
+                                 labels=["state"])
+        counts = store.job_counts()
         for state in ("queued", "running", "succeeded", "failed", "cancelled"):
             jobs.add_metric([state], counts.get(state, 0))
         yield jobs
+        answers = CounterMetricFamily("vlamux_http_responses", "HTTP answers by status class", labels=["code"])
+        with self.host.responses_lock:
+            seen = dict(self.host.responses)
+        for code in CLASSES:
+            answers.add_metric([code], seen.get(code, 0))
+        yield answers
         slots = GaugeMetricFamily("vlamux_training_slots", "Training slots by state", labels=["state"])
         counts = {}
         for rec in store.list_slots():

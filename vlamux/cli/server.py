@@ -46,6 +46,9 @@ import click
               help="Jobs running at once, all tenants together; past it jobs are accepted and queued (fair "
                    "across tenants; GET /v1/jobs/ID says their place and when they should start). "
                    "Default: no limit.")
+@click.option("--job-history", type=click.IntRange(0, None), default=100, show_default=True,
+              help="Finished jobs kept per tenant, with their checkpoints and files; older ones go as jobs "
+                   "end (their usage stays in the tenant's totals; a policy being served is kept).")
 @click.option("--ray", "ray_address", default=None, metavar="ADDRESS",
               help="Place the services on this Ray cluster ('auto', 'ray://host:10001'; 'local' starts one in-process).")
 @click.option("--store-url", default=None, help="SQLAlchemy URL of the store (default: sqlite in --data-dir).")
@@ -59,13 +62,13 @@ import click
               type=click.Choice(["debug", "info", "warning", "error"], case_sensitive=False))
 def serve(host, port, data_dir, backbone, extra_backbones, vlm, device, dtype, training_device, inference_devices,
           inference_replicas, group_cap, max_adapters_per_group, slot_memory_mb, slot_host_mb, max_running_jobs,
-          ray_address, store_url, admin_key, max_body_mb, gym_envs, log_level) -> None:
+          job_history, ray_address, store_url, admin_key, max_body_mb, gym_envs, log_level) -> None:
     """Run the services and the HTTP API until interrupted (embedded runtime unless --ray)."""
     config = serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
                           ray_address, store_url, max_body_mb, extra_backbones, gym_envs, vlm,
                           group_cap=None if group_cap == "none" else group_cap,
                           max_adapters_per_group=max_adapters_per_group, slot_memory_mb=slot_memory_mb,
-                          slot_host_mb=slot_host_mb, max_running_jobs=max_running_jobs)
+                          slot_host_mb=slot_host_mb, max_running_jobs=max_running_jobs, job_history=job_history)
     from vlamux.api.server import serve as run
 
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -74,7 +77,8 @@ def serve(host, port, data_dir, backbone, extra_backbones, vlm, device, dtype, t
 
 def serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
                  ray_address, store_url, max_body_mb, extra_backbones=(), gym_envs=(), vlm=None, group_cap="learned",
-                 max_adapters_per_group=None, slot_memory_mb=None, slot_host_mb=None, max_running_jobs=None):
+                 max_adapters_per_group=None, slot_memory_mb=None, slot_host_mb=None, max_running_jobs=None,
+                 job_history=100):
     """`vlamux serve`'s options as a ServiceConfig; a device or dtype this machine cannot run is a usage
     error now, not a failure after start-up (on Ray, devices are the actors' and checked there)."""
     from vlamux.api.host import ServiceConfig
@@ -109,5 +113,5 @@ def serve_config(data_dir, backbone, device, dtype, training_device, inference_d
                          training_device=training_device, inference_devices=devices,
                          inference_replicas=inference_replicas, group_cap=group_cap,
                          max_adapters_per_group=max_adapters_per_group, slot_memory_mb=slot_memory_mb,
-                         slot_host_mb=slot_host_mb, max_running_jobs=max_running_jobs, ray_address=ray_address,
-                         max_body_mb=max_body_mb, gym_envs=allowed)
+                         slot_host_mb=slot_host_mb, max_running_jobs=max_running_jobs, job_history=job_history,
+                         ray_address=ray_address, max_body_mb=max_body_mb, gym_envs=allowed)

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 
 SHELLS = 16
+STORES_PER_ROUND = 8
 
 
 def slot_nbytes(slot) -> int:
@@ -167,8 +168,8 @@ class SlotTiers:
                 log.exception("%s: paging slots failed", self.name)
 
     def page(self, waiting: dict[str, float] | None = None) -> PagePlan:
-        """One paging round now, on the calling thread (the mover's, or a test's): park, store, then load
-        what is in host memory and start reading what is on disk (`waiting`: tenants with requests
+        """One paging round now, on the calling thread (the mover's, or a test's): park, load what is in
+        host memory, start reading what is on disk, then store (`waiting`: tenants with requests
         queued -> when the oldest came, the oldest first). Tenants that cannot be served are refused
         (`on_refused`). Returns the plan."""
         t0 = time.monotonic()
@@ -186,8 +187,6 @@ class SlotTiers:
                 reads = [t for t in plan.load if not self._here(t, "resident")]  # on disk
             for t, slot in out:
                 self._park(t, slot)
-            for t in plan.store:
-                self._store(t)
             for t in reads:  # on disk: read on the loader thread; loaded on a later round
                 self._start_read(t)
             with self.runner.lane.paging():
@@ -197,6 +196,12 @@ class SlotTiers:
                     self._arrive(t, slot, waiting)
             if loaded:
                 self.on_resident()
+            # stores last, and a few a round: what requests wait for is not held up by a backlog of
+            # writes (ten thousand tenants registered at once); the next round goes on with them
+            for t in plan.store[:STORES_PER_ROUND]:
+                self._store(t)
+            if len(plan.store) > STORES_PER_ROUND:
+                self._kick.set()
             for t, error in failed.items():
                 self.on_refused(t, error)
             for t in plan.never:

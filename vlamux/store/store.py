@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import create_engine, delete, event, func, select, update
+from sqlalchemy import create_engine, delete, event, func, or_, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -49,6 +49,7 @@ from vlamux.store.records import (
 )
 
 _LAST_USED_EVERY_S = 60.0  # authenticate writes last_used_at at most this often per key
+USAGE_PERIOD_S = 3600.0  # usage is kept per tenant, kind, job and hour
 
 log = logging.getLogger(__name__)
 
@@ -299,6 +300,11 @@ class Store:
             q = select(JobRow).where(JobRow.state.in_(UNFINISHED)).order_by(JobRow.created_at, JobRow.id)
             return [to_job(r) for r in s.scalars(q)]
 
+    def job_counts(self) -> dict[str, int]:
+        """Jobs on record by state, all tenants'."""
+        with self._read() as s:
+            return {state: int(n) for state, n in s.execute(select(JobRow.state, func.count()).group_by(JobRow.state))}
+
     def count_jobs(self, tenant_id: str, states: Iterable[str] | None = None) -> int:
         states = check_states(states)
         q = select(func.count()).select_from(JobRow).where(JobRow.tenant_id == tenant_id)
@@ -306,6 +312,32 @@ class Store:
             q = q.where(JobRow.state.in_(states))
         with self._read() as s:
             return int(s.scalar(q))
+
+    def prune_jobs(self, tenant_id: str, keep: int, spare: Iterable[str] = ()) -> list[JobRecord]:
+        """A tenant's finished jobs past its `keep` most recent (by creation) leave the store: their
+        record, events and checkpoints' records (the caller removes their files). Their usage stays in
+        the tenant's totals, no longer by job. spare: job ids kept whatever their age (policies being
+        served). Returns the jobs removed."""
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
+            raise InvalidInputError(f"keep must be a non-negative int, got {keep!r}")
+        spare = set(spare)
+        q = (select(JobRow).where(JobRow.tenant_id == tenant_id, JobRow.state.not_in(UNFINISHED))
+             .order_by(JobRow.created_at.desc(), JobRow.id.desc()).offset(keep))
+        with self._write() as s:
+            rows = [r for r in s.scalars(q) if r.id not in spare]
+            if not rows:
+                return []
+            ids = [r.id for r in rows]
+            gone = [to_job(r) for r in rows]
+            for at, kind, total in s.execute(
+                    select(UsageRow.at, UsageRow.kind, func.sum(UsageRow.amount))
+                    .where(UsageRow.job_id.in_(ids)).group_by(UsageRow.at, UsageRow.kind)).all():
+                _add_usage(s, {(tenant_id, kind, None): float(total)}, at)
+            s.execute(delete(UsageRow).where(UsageRow.job_id.in_(ids)))
+            s.execute(delete(JobEventRow).where(JobEventRow.job_id.in_(ids)))
+            s.execute(delete(CheckpointRow).where(CheckpointRow.job_id.in_(ids)))
+            s.execute(delete(JobRow).where(JobRow.id.in_(ids)))
+            return gone
 
     # ---- training slots ------------------------------------------------------------------
 
@@ -427,21 +459,24 @@ class Store:
         self.record_usage_many([(tenant_id, kind, amount, job_id)])
 
     def record_usage_many(self, rows: list[tuple[str, str, float, str | None]]) -> None:
-        """Append usage rows in one transaction (all or none)."""
+        """Add usage in one transaction (all or none). Kept rolled up: one row per tenant, kind, job and
+        hour (its `at` the hour's start), which each write adds to, so the table grows with the hours
+        and the jobs metered, not with the meter's ticks (four a second)."""
         now = time.time()
-        objs = []
+        sums: dict[tuple[str, str, str | None], float] = {}
         for tenant_id, kind, amount, job_id in rows:
             check_str(tenant_id, "tenant_id")
             check_str(kind, "kind")
             if not isinstance(amount, (int, float)) or isinstance(amount, bool) or not math.isfinite(amount):
                 raise InvalidInputError(f"amount must be a finite number, got {amount!r}")
-            objs.append(UsageRow(tenant_id=tenant_id, kind=kind, amount=float(amount), job_id=job_id, at=now))
-        if objs:
+            sums[(tenant_id, kind, job_id)] = sums.get((tenant_id, kind, job_id), 0.0) + float(amount)
+        if sums:
             with self._write() as s:
-                s.add_all(objs)
+                _add_usage(s, sums, now - now % USAGE_PERIOD_S)
 
     def usage_totals(self, tenant_id: str | None = None, since: float | None = None) -> UsageTotals:
-        """Summed usage per tenant and kind, optionally of one tenant and from `since` on."""
+        """Summed usage per tenant and kind, optionally of one tenant and from `since` on (to the hour:
+        usage is kept by the hour)."""
         q = select(UsageRow.tenant_id, UsageRow.kind, func.sum(UsageRow.amount))
         if tenant_id is not None:
             q = q.where(UsageRow.tenant_id == tenant_id)
@@ -452,6 +487,25 @@ class Store:
             for tid, kind, total in s.execute(q.group_by(UsageRow.tenant_id, UsageRow.kind)):
                 totals.setdefault(tid, {})[kind] = float(total)
         return totals
+
+
+def _add_usage(s: Session, sums: dict[tuple[str, str, str | None], float], at: float) -> None:
+    """Add each (tenant, kind, job) amount to its row of period `at`, or make the row. Added in SQL
+    (amount = amount + x), so concurrent writers each add theirs; two that both make a new row make
+    two, which sum the same."""
+    jobs = {j for _, _, j in sums if j is not None}
+    q = select(UsageRow.id, UsageRow.tenant_id, UsageRow.kind, UsageRow.job_id).where(
+        UsageRow.at == at, UsageRow.tenant_id.in_({t for t, _, _ in sums}), UsageRow.kind.in_({k for _, k, _ in sums}),
+        or_(UsageRow.job_id.in_(jobs), UsageRow.job_id.is_(None)))
+    have: dict[tuple, int] = {}
+    for rid, tenant_id, kind, job_id in s.execute(q):
+        have.setdefault((tenant_id, kind, job_id), rid)
+    for (tenant_id, kind, job_id), amount in sums.items():
+        rid = have.get((tenant_id, kind, job_id))
+        if rid is None:
+            s.add(UsageRow(tenant_id=tenant_id, kind=kind, amount=amount, job_id=job_id, at=at))
+        else:
+            s.execute(update(UsageRow).where(UsageRow.id == rid).values(amount=UsageRow.amount + amount))
 
 
 def _tune_sqlite(engine: Engine) -> None:
