@@ -8,14 +8,16 @@ N of one kind run side by side, their measuring windows interleaved (N=100, 1,00
 so a drift of this machine's speed hits all alike.
 
 Load: --clients closed-loop clients, each drawing its next request's tenant from a Zipf law (s = 1) over
-a fixed random order of all N tenants; --hot-clients more ask the rank-1 tenant (the hot tenant) only,
-so that its latency has samples enough for a p99 on a machine that serves tens of rows a second.
-One 128x128 camera and one row a request.
+a fixed random order of all N tenants and pausing --think-s after each answer (a robot executing its
+action chunk: the replica runs below saturation, so a latency is service, not a fair queue's turn);
+--hot-clients more ask the rank-1 tenant (the hot tenant) only, so that its latency has samples enough
+for a p99 on a machine that serves tens of rows a second. One 128x128 camera and one row a request.
 
 Figures per cell:
   hot_p50/p99_s       the hot tenant's request latency (submit to answer), all its requests
   hit/miss p50/p99_s  requests whose slot was / was not resident when they came
-  load_wait_p50/p99_s a slot's wait, from its oldest request to resident (the service's own timestamps)
+  load_wait_p50/p99_s a slot's wait for paging, from its oldest request (or, if later, the slot's leaving
+                      the resident tier while that request waited) to resident (the service's timestamps)
   hit_rate, requests_per_s, resident/parked/stored counts, the largest resident bytes seen against
   the budget (sampled every 0.25 s), and the process's memory growth at registration against
   (slots registered) x (module bytes of the head built apart).
@@ -25,7 +27,9 @@ Limits, measured apart (plain torch and safetensors, no vlamux paging code), int
   cold_limit_s        their p99s summed; the target: load_wait_p99_s <= cold_limit_s
 Target: hot_p99 at N=10,000 <= 1.1 x hot_p99 at N=100 (same kind, same run).
 
-    python bench/many_tenants.py [--quick] [--tenants 100,1000,10000] [--kinds heads,lora8]
+    python bench/many_tenants.py [--quick] [--tenants 100,1000,10000] [--kinds heads,lora8] [--device cuda]
+On CUDA the resident tier is device memory, the parked one pinned host memory, and the moves run on
+the replica's page stream, beside its groups.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ResultFile, environment, print_table  # noqa: E402
 
 from vlamux.model import BackboneSpec, HeadSpec, ModelRunner, OptimizerSpec, build_backbone  # noqa: E402
+from vlamux.model.device import add_device_arguments, parse_device_arguments  # noqa: E402
 from vlamux.model.heads import build_head  # noqa: E402
 from vlamux.model.slot_file import MODULE_PREFIXES  # noqa: E402
 from vlamux.model.snapshot import PolicySnapshot  # noqa: E402
@@ -146,8 +151,9 @@ class Cell:
     def draw(self, rng: random.Random) -> str:
         return self.order[bisect_left(self.cdf, rng.random() * self.cdf[-1])]
 
-    def window(self, clients: int, hot_clients: int, seconds: float, warm_s: float) -> None:
-        """Closed-loop clients for `seconds`; requests that came in the first `warm_s` are not counted."""
+    def window(self, clients: int, hot_clients: int, seconds: float, warm_s: float, think_s: float) -> None:
+        """Closed-loop clients for `seconds`, each waiting `think_s` after an answer (a robot executing
+        its action chunk); requests that came in the first `warm_s` are not counted."""
         stop, start = threading.Event(), time.monotonic()
         counted = start + warm_s
         queue = self.svc.queue
@@ -160,6 +166,7 @@ class Cell:
         def client(k: int, always_hot: bool) -> None:
             rng, g = random.Random(k * 7919 + self.n), torch.Generator().manual_seed(k)
             obs = make_batch(self.profile, 1, g)[0]
+            stop.wait(rng.uniform(0, think_s))  # the clients' phases spread over a think time
             while not stop.is_set():
                 hot = always_hot
                 tenant = self.order[0] if hot else self.draw(rng)
@@ -170,6 +177,7 @@ class Cell:
                 if t0 >= counted:
                     with lock:
                         self.samples.append(("hot" if hot else tenant, time.monotonic() - t0, resident))
+                stop.wait(think_s)
 
         threads = [threading.Thread(target=client, args=(k, k >= clients), daemon=True)
                    for k in range(clients + hot_clients)]
@@ -226,8 +234,12 @@ class Cell:
 
 
 def limits(backbone, spec: HeadSpec, rows: int, repeats: int, image_size: int) -> dict:
-    """One group's forward and one slot's load from disk, each the plain way, interleaved."""
+    """One group's forward and one slot's load from disk, each the plain way, interleaved (on CUDA each
+    timed to its end: a device-wide synchronize, here, is the plain way's)."""
     from safetensors.torch import load_file, save_file
+
+    device = backbone.device
+    done = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     g = torch.Generator().manual_seed(0)
     batch = [backbone.prepare(make_batch(profile(image_size), 1, g)[0]) for _ in range(rows)]
@@ -238,16 +250,18 @@ def limits(backbone, spec: HeadSpec, rows: int, repeats: int, image_size: int) -
             save_file({k: v.contiguous() for k, v in snap.tensors.items() if k.startswith("head.")}, str(paths[-1]))
         with torch.device("meta"):
             head = build_head(spec, backbone.meta.hidden_dim, False)
-        head = head.to_empty(device="cpu")
+        head = head.to_empty(device=device)
 
         def forward():
             with torch.no_grad():
                 backbone.forward_group(batch)
+            done()
 
         def load(i=[0]):
             tensors = load_file(str(paths[i[0] % len(paths)]))
             i[0] += 1
             head.load_state_dict({k.removeprefix("head."): v for k, v in tensors.items()}, strict=False)
+            done()
 
         times = {"group_forward_s": [], "slot_load_s": []}
         forward(), load()
@@ -268,7 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tenants", default=None, help="comma-separated N (default 100,1000,10000)")
     ap.add_argument("--kinds", default=None, help="comma-separated of heads, lora8 (default both)")
     ap.add_argument("--clients", type=int, default=64)
-    ap.add_argument("--hot-clients", type=int, default=4)
+    ap.add_argument("--hot-clients", type=int, default=8)
+    ap.add_argument("--think-s", type=float, default=5.0,
+                    help="each client's pause after an answer (a robot executing its chunk); 0: back to back")
     ap.add_argument("--resident-slots", type=int, default=200)
     ap.add_argument("--parked-slots", type=int, default=1000)
     ap.add_argument("--batch-rows", type=int, default=8)
@@ -278,18 +294,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--backbone", default="small", help="built-in preset (the issue's: small)")
     ap.add_argument("--image-size", type=int, default=128)
     ap.add_argument("--out", default=None)
+    add_device_arguments(ap)
     args = ap.parse_args(argv)
+    device, dtype = parse_device_arguments(ap, args)
     tenants = [int(x) for x in (args.tenants or ("100,1000" if args.quick else "100,1000,10000")).split(",")]
     kinds = (args.kinds or ("heads" if args.quick else "heads,lora8")).split(",")
     seconds = args.seconds or (4.0 if args.quick else 20.0)
     rounds = args.rounds or (1 if args.quick else 3)
     torch.manual_seed(0)
-    backbone = build_backbone(BackboneSpec(preset=args.backbone))
+    backbone = build_backbone(BackboneSpec(preset=args.backbone), device=device, dtype=dtype)
     planned = [f"{k}:{n}" for k in kinds for n in tenants]
     out = ResultFile("many_tenants_quick.json" if args.quick and not args.out else "many_tenants.json", args.out,
-                     planned, environment=environment("cpu"),
+                     planned, environment=environment(device, dtype),
                      setting={"backbone": args.backbone, "image_size": args.image_size, "head": HEAD.to_json(), "clients": args.clients,
-                              "hot_clients": args.hot_clients, "zipf_s": 1.0, "resident_slots": args.resident_slots,
+                              "hot_clients": args.hot_clients, "think_s": args.think_s, "zipf_s": 1.0, "resident_slots": args.resident_slots,
                               "parked_slots": args.parked_slots, "batch_rows": args.batch_rows,
                               "max_wait_ms": args.max_wait_ms, "window_s": seconds, "rounds": rounds,
                               "cameras": 1, "rows_per_request": 1})
@@ -299,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
         try:
             for r in range(rounds):
                 for cell in (cells if r % 2 == 0 else cells[::-1]):
-                    cell.window(args.clients, args.hot_clients, seconds, warm_s=2.0 if r == 0 else 1.0)
+                    cell.window(args.clients, args.hot_clients, seconds, warm_s=2.0 if r == 0 else 1.0,
+                                think_s=args.think_s)
             rows = int(statistics.median([c.figures()["median_group_rows"] or 1 for c in cells]))
             limit = limits(backbone, KINDS[kind], rows, max(20, 10 * rounds), args.image_size)
             base = next(c for c in cells if c.n == min(tenants)).figures()

@@ -19,7 +19,7 @@ BUDGET_S = 315.0  # the steps, the GL probe included
 COMMAND_OVERHEAD_S = {
     "unpack the GL loaders, install the carried wheels": 20,
     "the check's own start (Python, torch, CUDA) and its last summary": 10,
-    "starting each step's process, collecting its results (10 steps)": 10,
+    "starting each step's process, collecting its results (11 steps)": 10,
 }
 COMMAND_MAX_S = 360  # 6 minutes: the device call's timeout_s
 MACHINE_START_S = 120  # a fresh machine's start (1-2 minutes)
@@ -74,7 +74,7 @@ def steps() -> list[Step]:
         # the dry run collects the CUDA tests (they import and are selected); they skip without a GPU
         # on the GPU -v: a line a test as it ends, so a step cut short still says which passed; the dry run
         # collects them (-q: one test id a line)
-        Step("tests", pytest + ["-v"], pytest + ["-q", "--collect-only"], 40, 30,
+        Step("tests", pytest + ["-v"], pytest + ["-q", "--collect-only"], 35, 30,
              "pytest -m cuda: tests/test_cuda.py, tests/test_device.py (tiny backbone; the RL test renders)",
              result=False, render_tests=("tests/test_cuda.py::test_rl_and_evaluation_run_with_the_services_on_cuda",)),
         Step("group_batching_base", [gb, "--preset", "base", "--grid", "8:1,1:1,4:1,16:1", "--repeats", "3",
@@ -95,17 +95,26 @@ def steps() -> list[Step]:
              ["bench/inference_serving.py", "--preset", "tiny", "--sessions", "2,1", "--seconds", "0.5",
               "--limit-seconds", "0.2", *cpu], 20, 60,
              "base preset, closed-loop sessions: grouped service vs B=1, and the plain model's limit"),
+        # issue 28's cell: ten thousand tenants on one replica, 200 slots resident on the GPU, 1,000 parked
+        # in pinned host memory, the rest stored; the moves on the replica's page stream beside its groups
+        Step("many_tenants", ["bench/many_tenants.py", "--tenants", "100,10000", "--kinds", "heads", "--seconds", "3",
+                              "--rounds", "1", *gpu],
+             ["bench/many_tenants.py", "--tenants", "20,100", "--kinds", "heads", "--seconds", "1", "--rounds", "1",
+              "--clients", "8", "--hot-clients", "2", "--resident-slots", "10", "--parked-slots", "20",
+              "--backbone", "tiny", "--image-size", "32", *cpu], 30, 60,
+             "small backbone, Gaussian heads of 100 and 10,000 registered tenants, 64 Zipf clients: hot and "
+             "cold latency, load waits against a plain forward and load"),
         Step("async_rl",
              ["bench/async_rl.py", "--preset", "base", "--env-steps", "1600", "--n-envs", "8", "--image-size", "64",
               "--threads", "4", "--placement", "shared", *gpu],  # on a GPU the services hold the GPU either way
              ["bench/async_rl.py", "--preset", "tiny", "--env-steps", "32", "--n-envs", "2", "--sub-batches", "1",
-              "--image-size", "32", "--placement", "shared", *cpu], 30, 50,
+              "--image-size", "32", "--placement", "shared", *cpu], 25, 50,
              "base preset, one tenant, 2 x 8 envs at 64 px: synchronous vs four-lane RL", renders=True),
         Step("multi_tenant",
              ["bench/multi_tenant.py", "--sft-steps", "80", "--warm-start-steps", "20", "--rl-env-steps", "600",
               "--demos", "10", "--demo-cameras", "image", "--threads", "4", "--placement", "shared", *gpu],
              ["bench/multi_tenant.py", "--quick", "--tenants", "2", "--sft-steps", "4", "--warm-start-steps", "2",
-              "--rl-env-steps", "32", "--demos", "2", "--demo-cameras", "image", "--placement", "shared", *cpu], 40, 260,
+              "--rl-env-steps", "32", "--demos", "2", "--demo-cameras", "image", "--placement", "shared", *cpu], 35, 260,
              "tiny backbone, 3 RL + 1 SFT tenants: one after another (fresh services each) vs together",
              renders=True),
         # imported VLA tenants at SmolVLA's and π0's published sizes (random weights drawn on the GPU, written
@@ -115,13 +124,13 @@ def steps() -> list[Step]:
         Step("group_batching_vla", ["bench/vla_groups.py", "--models", "smolvla:smolvla-450m,pi0:pi0-3b=4:1", "--grid",
                                     "8:1", "--repeats", "3", *quick, *gpu],
              ["bench/vla_groups.py", "--models", "smolvla:tiny", "--grid", "2:1", "--repeats", "1", *none, *cpu],
-             65, 40, "SmolVLA- (450M, 8 tenants) and π0-shaped (3.3B, 4 tenants) random policies: the tenants' "
+             55, 40, "SmolVLA- (450M, 8 tenants) and π0-shaped (3.3B, 4 tenants) random policies: the tenants' "
              "prefixes in one VLM forward, experts fused"),
         # a Qwen2.5-VL of the 3B model's shape, random weights, made on the GPU in bf16 (7 GB on disk)
         Step("hf_init", ["-m", "vlamux.cli", "backbone", "init", "--family", "qwen2_5_vl", "--size", "3b", "--out",
                          "{model}", "--overwrite", "--dtype", "bfloat16", "--device", "cuda"],
              ["-m", "vlamux.cli", "backbone", "init", "--family", "qwen2_5_vl", "--size", "tiny", "--out", "{model}",
-              "--overwrite"], 30, 30, "a random Qwen2.5-VL of the 3B model's shape, made on the GPU (7 GB written)",
+              "--overwrite"], 25, 30, "a random Qwen2.5-VL of the 3B model's shape, made on the GPU (7 GB written)",
              result=False),
         Step("group_batching_hf", [gb, "--backbone", "{model}", "--grid", "8:1,1:1", "--repeats", "3", "--no-cap",
                                    *quick, *gpu],
@@ -156,6 +165,8 @@ def planned_cells(step: Step, dry: bool) -> list[str]:
         return [f"{p} {mode}" for p in placements for mode in ("sync", "async")]
     if script == "bench/multi_tenant.py":
         return [f"{p} {mode}" for mode in ("isolated", "multi") for p in placements]
+    if script == "bench/many_tenants.py":
+        return [f"{k}:{n}" for k in _arg(argv, "--kinds").split(",") for n in _arg(argv, "--tenants").split(",")]
     return []
 
 
@@ -175,6 +186,9 @@ def describe(step: Step, dry: bool) -> str:
     elif script == "bench/multi_tenant.py":
         grid = f"SFT {_arg(argv, '--sft-steps')} steps, RL {_arg(argv, '--rl-env-steps')} env steps; isolated, " \
                f"multi = {len(cells)} cells"
+    elif script == "bench/many_tenants.py":
+        grid = f"N {_arg(argv, '--tenants')} x {_arg(argv, '--kinds')} = {len(cells)} cells, {_arg(argv, '--seconds')} s " \
+               f"a window"
     else:
         grid = ""
     if dry:

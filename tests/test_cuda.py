@@ -163,3 +163,55 @@ def test_a_large_builtin_preset_is_built_on_its_gpu(monkeypatch):
     assert a.device.type == "cuda" and a.dtype == torch.bfloat16
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert a.content_sha256 == b.content_sha256 != build_backbone(BackboneSpec(preset="tiny", seed=3)).content_sha256
+
+
+def test_a_replica_pages_its_slots_on_cuda_and_answers_as_one_that_does_not(gpu_backbone, monkeypatch):
+    """Slots paged between the GPU, pinned host memory and disk by the mover on the lane's page stream,
+    beside the groups: six tenants with room for two answer as an unpaged replica does, and nothing on
+    the way synchronizes the whole device."""
+    from vlamux.services.inference import InferenceModelService
+    from vlamux.services.pager import SlotBudget
+
+    trainer = ModelRunner(gpu_backbone)
+    for i in range(6):
+        trainer.create_slot(f"p{i}", HEAD, OptimizerSpec(), seed=i)
+    one = sum(v.numel() * v.element_size() for v in trainer.slot("p0").module_state().values())
+
+    def replica(budget):
+        svc = InferenceModelService(gpu_backbone, InferenceQueueConfig(batch_rows=4, max_wait_s=0.002),
+                                    slot_budget=budget, group_cap=None)
+        for slot in trainer.slots.values():
+            svc.stage_policy(slot.export_policy())
+        return svc.start()
+
+    paged, free = replica(SlotBudget(resident_bytes=2 * one, parked_bytes=2 * one)), replica(None)
+
+    def refuse(*a, **k):
+        raise AssertionError("torch.cuda.synchronize while paging")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", refuse)
+    try:
+        from vlamux.model.synthetic import make_batch
+
+        g = torch.Generator().manual_seed(0)
+        obs = {t: make_batch(PROFILE, 1, g)[0] for t in trainer.slots}
+        for turn in range(3):
+            for t in sorted(trainer.slots):
+                a, b = paged.predict(t, obs[t]).result(60), free.predict(t, obs[t]).result(60)
+                assert torch.allclose(a["actions"], b["actions"], atol=1e-5), (turn, t)
+        slots = paged.metrics()["slots"]
+        assert slots["moves"]["load"] > 0 and slots["moves"]["store"] > 0 and slots["resident"]["count"] <= 2
+        parked = next(iter(paged.tiers.parked.values()), None)
+        assert parked is None or all(v.is_pinned() for k, v in parked.tensors.items() if k.startswith("head."))
+        assert all(s.head.step_pos.device.type == "cuda" for s in paged.runner.slots.values())
+    finally:
+        paged.stop()
+        free.stop()
+
+
+def test_an_auto_slot_budget_on_a_gpu_is_a_quarter_of_its_free_memory():
+    from vlamux.services.pager import AUTO_FRACTION, SlotBudget
+
+    free, _ = torch.cuda.mem_get_info(0)
+    got = SlotBudget("auto", parked_bytes=7).placed("cuda:0")
+    assert got.parked_bytes == 7 and abs(got.resident_bytes - AUTO_FRACTION * free) <= 0.05 * free

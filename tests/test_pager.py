@@ -41,6 +41,14 @@ def test_an_older_request_is_not_starved_by_resident_tenants_with_newer_ones():
     assert plan_pages(e, ["c", "a", "b"], SlotBudget(resident_bytes=20)).park == ["a"]
 
 
+def test_a_slot_nobody_waits_for_goes_before_one_a_newer_request_waits_for():
+    """A waits in a busy queue (so it is the least recently used); B has no request: C's older
+    request takes B's room, not A's, which would only be paged out and back in."""
+    e = entries(a=("resident", 1), b=("resident", 5), c=("parked", 0))
+    plan = plan_pages(e, ["c", "a"], SlotBudget(resident_bytes=20))
+    assert plan.park == ["b"] and plan.load == ["c"] and not plan.waiting
+
+
 def test_a_slot_larger_than_the_budget_is_never_resident():
     e = entries(a=("resident", 1))
     e["big"] = SlotEntry("big", "stored", 100)
@@ -110,3 +118,10 @@ def test_fifty_tenants_taking_turns_with_room_for_ten():
     assert served == 500 and pager.usage()["parked"]["count"] + pager.usage()["resident"]["count"] <= 50
     with pytest.raises(RuntimeError, match="not resident"):
         pager.pin([next(n for n, x in pager.entries.items() if x.tier != "resident")])
+
+
+def test_an_auto_budget_is_none_on_a_cpu_and_a_number_stays_as_given():
+    assert SlotBudget("auto").placed("cpu") is None
+    assert SlotBudget("auto", parked_bytes=10).placed("cpu") == SlotBudget(None, 10)
+    assert SlotBudget(100, 10).placed("cpu") == SlotBudget(100, 10)
+

@@ -187,3 +187,31 @@ def test_a_parked_serving_slot_comes_back_the_same_into_another_tenants_shell(ba
     a.add_slot(again), b.add_slot(fresh)
     assert torch.equal(a.execute([Sample("lora", obs)])[0].unwrap()["actions"],
                        b.execute([Sample("lora", obs)])[0].unwrap()["actions"])
+
+
+def test_tenants_admitted_straight_to_host_memory_park_as_slots_built_afresh(backbone):
+    """`SlotTiers.admit_parked` copies each new tenant's policy through one host slot of its kind: what
+    it parks is byte for byte what a slot built for that tenant alone parks (module, statistics,
+    version, RNG), tenant after tenant, with and without an adapter."""
+    import dataclasses
+
+    from vlamux.model import Slot
+    from vlamux.services.pager import SlotBudget
+    from vlamux.services.slot_tiers import SlotTiers
+
+    train = runner(backbone, False)
+    for name in ("bolt2", "lora2"):  # two tenants of each kind, trained apart: different weights and statistics
+        spec = MOVED[name[:-1]][0]
+        train.create_slot(name, spec, OptimizerSpec(lr=1e-3), seed=7 if "bolt" in name else 8)
+    tiers = SlotTiers(ModelRunner(backbone), SlotBudget(resident_bytes=1))
+    for t in ("bolt", "lora", "bolt2", "lora2"):
+        snap = dataclasses.replace(train.slot(t).export_policy(), version=3)
+        tiers.admit_parked(snap)
+        fresh = Slot(t, snap.head_spec, backbone.meta, init=False, trainable=False,
+                     **tiers.runner.adapter_targets(snap.backbone_id))
+        fresh.apply_policy(snap.ready())
+        want = park(fresh)
+        got = tiers.parked[t]
+        assert got.meta == want.meta and same_bytes(got.tensors, want.tensors), t
+    assert len(tiers._registrars) == 2 and tiers.versions["lora2"] == 3
+    tiers.close()

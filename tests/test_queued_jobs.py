@@ -5,6 +5,7 @@ service runs one job at a time (`max_running_jobs=1`)."""
 
 from __future__ import annotations
 
+import re
 import time
 import types
 
@@ -122,6 +123,32 @@ def test_a_tenants_own_quota_still_answers_429_with_the_numbers(svc):
             == "succeeded"
     # both ended: the tenant's share is free again
     assert submit(svc, a, spec("q3", 2))["state"] in ("queued", "running", "succeeded")
+
+
+def test_a_tenants_job_history_keeps_its_newest_finished_jobs(svc, monkeypatch):
+    """Past the finished jobs a tenant keeps (--job-history), the oldest leave the store and the disk
+    as jobs end; another tenant's are untouched. /metrics has counted every answer, none a 5xx."""
+    monkeypatch.setattr(svc.host.jobs, "history", 2)
+    a_id, a = new_tenant(svc, "history-a")
+    _, b = new_tenant(svc, "history-b")
+    finished = ("succeeded", "failed", "cancelled")
+    kept = submit(svc, b, spec("b", 2))
+    until(lambda: view(svc, b, kept["id"])["state"] in finished)
+    jobs = []
+    for i in range(4):
+        j = submit(svc, a, spec(f"h{i}", 2))
+        until(lambda: view(svc, a, j["id"])["state"] in finished)
+        jobs.append(j["id"])
+    listed = [j["id"] for j in ok(svc.client.get("/v1/jobs", headers=bearer(a))).json()["jobs"]]
+    assert listed == [jobs[3], jobs[2]], listed
+    workdirs = svc.host.data_dir / "tenants" / a_id / "jobs"
+    assert not (workdirs / jobs[0]).exists() and (workdirs / jobs[3]).exists()
+    assert svc.client.get(f"/v1/jobs/{jobs[0]}", headers=bearer(a)).status_code == 404
+    assert view(svc, b, kept["id"])["state"] == "succeeded"
+    text = ok(svc.client.get("/metrics", headers=bearer(svc.admin))).text
+    assert 'vlamux_http_responses_total{code="5xx"} 0.0' in text, text[-2000:]
+    twos = float(re.search(r'vlamux_http_responses_total\{code="2xx"\} (\S+)', text).group(1))
+    assert twos >= 12, twos
 
 
 def test_after_a_restart_started_jobs_run_again_and_waiting_ones_queue_in_order(tmp_path):

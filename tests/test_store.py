@@ -419,3 +419,5 @@ def test_pruning_a_tenants_job_history_keeps_its_usage_and_touches_no_one_else(s
     assert [r.id for r in store.list_jobs(b.id)] == [other] and store.prune_jobs(a.id, keep=1, spare=[jobs[0]]) == []
     with pytest.raises(ValueError, match="keep"):
         store.prune_jobs(a.id, keep=-1)
+    store.record_usage(a.id, "gpu_s", 0.5, job_id=jobs[1])  # metered late, for a job gone: the tenant's still
+    assert store.usage_totals(a.id)[a.id]["gpu_s"] == before[a.id]["gpu_s"] + 0.5

@@ -63,7 +63,9 @@ class ServiceConfig:
     # paying (vlamux/model/calibrate.py); None: groups are capped by the queues' batch rows only
     group_cap: str | None = "learned"
     max_adapters_per_group: int | None = None  # distinct tenants' adapters in one backbone call; None: no cap
-    slot_memory_mb: float | None = None  # serving slots a replica keeps resident (the rest paged); None: all
+    # serving slots a replica keeps resident (the rest paged); "auto": a quarter of a GPU's free memory,
+    # all on a CPU; None: all
+    slot_memory_mb: float | str | None = "auto"
     slot_host_mb: float | None = None  # parked ones in host memory (the rest stored on disk); None: all
     ray_address: str | None = None  # None: the embedded runtime; "local": a Ray instance of its own
     max_body_mb: float = 64.0  # msgpack bodies (observations, action batches)

@@ -22,16 +22,19 @@ log = logging.getLogger(__name__)
 KINDS = ("backbone_s", "head_s", "requests", "env_steps")
 
 
-def service_counters(runtime: Runtime) -> dict[str, dict[str, float]]:
-    """Cumulative counters per service-level tenant key, summed over the services."""
-    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for snapshot in runtime.accounting().values():  # the training service's and each replica's
+def service_counters(runtime: Runtime) -> dict[tuple[str, str], dict[str, float]]:
+    """Cumulative counters per (service, tenant key): each service's own, so that one letting an idle
+    key go (vlamux.services.accounting) leaves the others' counts of it as they were."""
+    out: dict[tuple[str, str], dict[str, float]] = {}
+    for service, snapshot in runtime.accounting().items():  # the training service's and each replica's
         for key, amounts in snapshot["tenants"].items():
-            for kind in ("backbone_s", "head_s", "requests"):
-                out[key][kind] += amounts.get(kind, 0.0)
+            out[(service, key)] = {kind: amounts.get(kind, 0.0) for kind in ("backbone_s", "head_s", "requests")}
     for key, steps in runtime.environment.env_steps().items():  # one call, however many tenants
-        out[key]["env_steps"] += steps
+        out[("environment", key)] = {"env_steps": steps}
     return out
+
+
+ON_RECORD_MAX = 10_000  # names the Meter remembers as on record
 
 
 class Meter:
@@ -41,7 +44,9 @@ class Meter:
     def __init__(self, host, every_s: float = 0.25):
         self.host, self.every_s = host, every_s
         self._last: dict[str, dict[str, float]] = {}
-        self._on_record: set[str] = set()  # tenants and jobs the store has (they are never removed)
+        # tenants and jobs the store has had (a job pruned from the history since: the store files its
+        # usage under the tenant alone)
+        self._on_record: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="vlamux-meter", daemon=True)
 
@@ -67,8 +72,8 @@ class Meter:
     def tick(self) -> int:
         counters = service_counters(self.host.runtime)
         rows, seen = [], {}
-        for key, amounts in counters.items():
-            last = self._last.get(key, {})
+        for (service, key), amounts in counters.items():
+            last = self._last.get((service, key), {})
             deltas = {}
             for kind, total in amounts.items():
                 delta = total - last.get(kind, 0.0)
@@ -76,7 +81,7 @@ class Meter:
                     delta = total
                 if delta > 0:
                     deltas[kind] = delta
-            seen[key] = dict(amounts)
+            seen[(service, key)] = dict(amounts)
             if not deltas:  # nothing new: no store lookup either (a tick is a few lookups, not one a slot)
                 continue
             tenant, _, policy = key.partition("/")
@@ -88,7 +93,11 @@ class Meter:
             rows += [(tenant, kind, delta, job) for kind, delta in deltas.items()]
         if rows:
             self.host.store.record_usage_many(rows)
-        self._last.update(seen)  # only once written: a failed write is retried at the next tick
+        # only once written: a failed write is retried at the next tick. Keys the services no longer
+        # report (idle ones they let go) go here too; one that comes back counts from zero
+        self._last = seen
+        if len(self._on_record) > ON_RECORD_MAX:  # a day of jobs: looked up again as they are charged
+            self._on_record.clear()
         return len(rows)
 
     def _known(self, kind: str, key: str, tenant: str | None = None) -> bool:

@@ -7,6 +7,25 @@ from pathlib import Path
 import click
 
 
+class SlotMemory(click.ParamType):
+    """--slot-memory-mb: a positive number of MiB, auto or none."""
+    name = "MIB|auto|none"
+
+    def convert(self, value, param, ctx):
+        if value is None or isinstance(value, float):
+            return value
+        text = str(value).strip().lower()
+        if text in ("auto", "none"):
+            return None if text == "none" else "auto"
+        try:
+            mib = float(text)
+        except ValueError:
+            self.fail(f"{value!r}: expected a number of MiB, auto or none", param, ctx)
+        if not mib > 0:
+            self.fail(f"{value!r}: must be > 0", param, ctx)
+        return mib
+
+
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8321, show_default=True)
@@ -36,9 +55,10 @@ import click
 @click.option("--max-adapters-per-group", type=click.IntRange(1, None), default=None,
               help="At most this many tenants' LoRA adapters in one backbone call (each is one more segment of "
                    "every adapted Linear); the others join the next group. Default: no cap.")
-@click.option("--slot-memory-mb", type=click.FloatRange(0, None, min_open=True), default=None,
+@click.option("--slot-memory-mb", type=SlotMemory(), default="auto", show_default=True,
               help="Serving slots each inference replica keeps resident, in MiB: the least recently used "
-                   "beyond it are parked in host memory and come back when asked. Default: all resident.")
+                   "beyond it are parked in host memory and come back when asked. auto: a quarter of a GPU's "
+                   "free memory when the replica starts (on a CPU all stay resident); none: all resident.")
 @click.option("--slot-host-mb", type=click.FloatRange(0, None, min_open=True), default=None,
               help="Parked serving slots kept in host memory, in MiB (with --slot-memory-mb): the least "
                    "recently used beyond it are stored on disk. Default: all in memory.")
@@ -77,7 +97,7 @@ def serve(host, port, data_dir, backbone, extra_backbones, vlm, device, dtype, t
 
 def serve_config(data_dir, backbone, device, dtype, training_device, inference_devices, inference_replicas,
                  ray_address, store_url, max_body_mb, extra_backbones=(), gym_envs=(), vlm=None, group_cap="learned",
-                 max_adapters_per_group=None, slot_memory_mb=None, slot_host_mb=None, max_running_jobs=None,
+                 max_adapters_per_group=None, slot_memory_mb="auto", slot_host_mb=None, max_running_jobs=None,
                  job_history=100):
     """`vlamux serve`'s options as a ServiceConfig; a device or dtype this machine cannot run is a usage
     error now, not a failure after start-up (on Ray, devices are the actors' and checked there)."""

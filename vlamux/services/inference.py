@@ -44,13 +44,14 @@ class InferenceModelService(EngineLoop):
                  slot_budget: SlotBudget | None = None):
         """slot_budget: keep at most this many bytes of serving slots resident (the least recently used
         go to host memory, and to disk past its own budget; a request for one waits while it comes
-        back); None: every slot stays resident."""
+        back; "auto" resident bytes: `SlotBudget.placed`); None: every slot stays resident."""
         self.name = name
         self.group_cap, self.group_budget_s = group_cap, group_budget_s
         # every backbone the replica serves; "high": simulators wait on its answers (model.device)
         self.runner = ModelRunner(backbone, fuse_heads=fuse_heads, priority=priority,
                                   max_adapters_per_group=max_adapters_per_group)
         self.backbone = self.runner.backbones[self.runner.default_backbone]
+        slot_budget = slot_budget.placed(self.backbone.device) if slot_budget is not None else None
         self.tiers = SlotTiers(self.runner, slot_budget, name) if slot_budget is not None else None
         self.queue = InferenceQueue(queue, ready=self.tiers.resident if self.tiers is not None else None)
         if self.tiers is not None:

@@ -17,10 +17,27 @@ from dataclasses import dataclass, field
 TIERS = ("resident", "parked", "stored")
 
 
+AUTO_FRACTION = 0.25  # of a GPU's free memory when its replica starts: the resident budget "auto"
+
+
 @dataclass(frozen=True)
 class SlotBudget:
-    resident_bytes: int | None = None  # None: no limit
+    resident_bytes: int | str | None = None  # None: no limit; "auto": see `placed`
     parked_bytes: int | None = None
+
+    def placed(self, device) -> SlotBudget | None:
+        """The budget a replica on `device` keeps. "auto": on a GPU, AUTO_FRACTION of the memory free
+        now (the backbones loaded; the training service's share left); on a CPU, none (its slots are in
+        host memory already: with no host budget either, every slot stays resident)."""
+        if self.resident_bytes != "auto":
+            return self
+        import torch
+
+        device = torch.device(device)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return SlotBudget(int(free * AUTO_FRACTION), self.parked_bytes)
+        return None if self.parked_bytes is None else SlotBudget(None, self.parked_bytes)
 
 
 @dataclass
@@ -94,18 +111,21 @@ def plan_pages(entries: dict[str, SlotEntry], wanted: list[str], budget: SlotBud
         if tier_of(t) == "resident":
             continue
         if limit is not None:  # the least recently used first, and none unless that makes room
-            room, victims = limit - used["resident"], []
-            for v in resident_lru:
-                if room >= e.nbytes:
-                    break
-                if tier_of(v.tenant) != "resident" or not evictable_for_older(v):
-                    continue
-                victims.append(v)
-                room += v.nbytes
+            room, victims = limit - used["resident"], {}
+            # first slots nobody waits for; only then those of newer requests (a tenant waiting in a
+            # busy queue is the least recently used: taking its slot first would page it out and back)
+            for ok in (evictable, evictable_for_older):
+                for v in resident_lru:
+                    if room >= e.nbytes:
+                        break
+                    if tier_of(v.tenant) != "resident" or not ok(v) or v.tenant in victims:
+                        continue
+                    victims[v.tenant] = v
+                    room += v.nbytes
             if room < e.nbytes:
                 plan.waiting.append(t)
                 continue
-            for v in victims:
+            for v in victims.values():
                 park(v)
         if tier_of(t) == "parked":
             used["parked"] -= e.nbytes

@@ -64,8 +64,9 @@ class RuntimeConfigBase:
     max_adapters_per_group: int | None = None
     # Serving slots an inference replica keeps resident, in MiB (the least recently used beyond it are
     # parked in host memory, and past slot_host_mb stored on disk; a request for one waits while it
-    # comes back). None: every slot stays resident
-    slot_memory_mb: float | None = None
+    # comes back). "auto": a quarter of a GPU's free memory at the replica's start, all on a CPU
+    # (vlamux.services.pager.SlotBudget.placed); None: every slot stays resident
+    slot_memory_mb: float | str | None = "auto"
     slot_host_mb: float | None = None
     # Inference before training where they share a GPU or the services' own cores (vlamux.model.device:
     # stream priorities on CUDA, the training thread's nice on the embedded runtime's service_cpus);
@@ -80,8 +81,10 @@ class RuntimeConfigBase:
         self.inference_devices = tuple(self.inference_devices)
         for name in ("slot_memory_mb", "slot_host_mb"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(f"runtime config: {name} is a positive number of MiB or None, got {value!r}")
+            if value is not None and not (name == "slot_memory_mb" and value == "auto") and not (
+                    isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"runtime config: {name} is a positive number of MiB"
+                                 f"{', auto' if name == 'slot_memory_mb' else ''} or None, got {value!r}")
         if self.max_adapters_per_group is not None and (not isinstance(self.max_adapters_per_group, int)
                                                         or self.max_adapters_per_group < 1):
             raise ValueError(f"runtime config: max_adapters_per_group is a whole number >= 1 or None (no cap), "
@@ -105,7 +108,7 @@ class RuntimeConfigBase:
         if self.slot_memory_mb is None:
             return None
         mib = 1 << 20
-        return SlotBudget(int(self.slot_memory_mb * mib),
+        return SlotBudget("auto" if self.slot_memory_mb == "auto" else int(self.slot_memory_mb * mib),
                           None if self.slot_host_mb is None else int(self.slot_host_mb * mib))
 
     def role_device(self, role: str, index: int = 0) -> str:

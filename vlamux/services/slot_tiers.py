@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 
 SHELLS = 16
-STORES_PER_ROUND = 8
+STORES_IN_FLIGHT = 8  # stores handed to the writer at once
+IO_THREADS = {"reader": 2, "writer": 1}
 
 
 def slot_nbytes(slot) -> int:
@@ -59,7 +60,10 @@ class SlotTiers:
         self.on_resident: Callable[[], None] = lambda: None
         self.on_refused: Callable[[str, Exception], None] = lambda tenant, error: None
         self.lock = threading.RLock()
-        self.load_s: deque[float] = deque(maxlen=4096)  # a wanted slot's wait: its oldest request to resident
+        # a wanted slot's wait for paging: from its oldest request (or, if later, the slot's leaving the
+        # resident tier while that request waited its turn in the queue) to resident again
+        self.load_s: deque[float] = deque(maxlen=4096)
+        self._left: dict[str, float] = {}  # when a slot left the resident tier (monotonic)
         self.page_s: deque[float] = deque(maxlen=4096)  # each paging round's time (the mover's)
         self.loads_by_tier = {"parked": 0, "stored": 0}  # where the slots made resident came from
         self.parked: dict[str, ParkedSlot] = {}
@@ -73,8 +77,12 @@ class SlotTiers:
         # instead of building a head's modules anew (SHELLS at most of each kind; their bytes are
         # counted in `metrics`, outside the budget). The mover's alone.
         self._shells: dict[tuple, list[Slot]] = {}
-        self._loader: ThreadPoolExecutor | None = None
+        # `admit_parked`'s host slot of each kind (the engine thread's alone): building a slot costs
+        # milliseconds, which ten thousand tenants registered at once would wait for
+        self._registrars: dict[tuple, Slot] = {}
+        self._pools: dict[str, ThreadPoolExecutor] = {}  # `_io`'s
         self._loader_lock = threading.Lock()
+        self._storing: set[str] = set()  # stores submitted to the writer, not done
         self._kick = threading.Event()
         self._mover: threading.Thread | None = None
         self._closed = False
@@ -100,9 +108,15 @@ class SlotTiers:
 
     def admit_parked(self, snap: PolicySnapshot) -> None:
         """A new tenant, straight to host memory (the resident tier is full: it comes up when asked)."""
-        backbone = self.runner.backbones[snap.backbone_id]
-        slot = Slot(snap.tenant, snap.head_spec, backbone.meta, device="cpu", init=False, trainable=False,
-                    **self.runner.adapter_targets(snap.backbone_id))
+        key = shell_key(snap.head_spec.to_json(), snap.backbone_id, False)
+        slot = self._registrars.get(key)
+        if slot is None:  # one host slot a kind, each new tenant's policy copied through it and parked
+            backbone = self.runner.backbones[snap.backbone_id]
+            slot = self._registrars[key] = Slot(snap.tenant, snap.head_spec, backbone.meta, device="cpu", init=False,
+                                                trainable=False, **self.runner.adapter_targets(snap.backbone_id))
+        # as a new slot would be: the policy's module, statistics and version, its seed's generator
+        slot.tenant, slot._host_copies = snap.tenant, {}
+        slot.generator.manual_seed(slot.seed + 1)
         slot.apply_policy(snap.ready())
         with self.lock:  # its parked bytes are the resident slot's: what the pager plans with in every tier
             self.parked[snap.tenant], self.versions[snap.tenant] = park(slot), snap.version
@@ -116,6 +130,7 @@ class SlotTiers:
                 self.runner.remove_slot(tenant)
             self.parked.pop(tenant, None)
             self.versions.pop(tenant, None)
+            self._left.pop(tenant, None)
             self._from_disk.discard(tenant)
             with self._reading_lock:
                 reading = self._reading.pop(tenant, None)
@@ -196,12 +211,15 @@ class SlotTiers:
                     self._arrive(t, slot, waiting)
             if loaded:
                 self.on_resident()
-            # stores last, and a few a round: what requests wait for is not held up by a backlog of
-            # writes (ten thousand tenants registered at once); the next round goes on with them
-            for t in plan.store[:STORES_PER_ROUND]:
-                self._store(t)
-            if len(plan.store) > STORES_PER_ROUND:
-                self._kick.set()
+            # stores on a writer thread, a few at a time: a round (what requests wait for) is not held
+            # up by writes, nor a backlog of them (ten thousand tenants registered at once)
+            for t in plan.store:
+                if len(self._storing) >= STORES_IN_FLIGHT:
+                    break
+                parked = self.parked.get(t)
+                if parked is not None and t not in self._storing:
+                    self._storing.add(t)
+                    self._io("writer").submit(self._store, t, parked)
             for t, error in failed.items():
                 self.on_refused(t, error)
             for t in plan.never:
@@ -215,6 +233,7 @@ class SlotTiers:
     # Each move copies first and lets go of the old copy only once the new one exists: a move that
     # fails (no memory, a full disk) leaves the slot where it was, and a next round tries again.
     def _leave(self, t: str) -> Slot:
+        self._left[t] = time.monotonic()
         slot = self.runner.remove_slot(t)
         self.versions[t] = slot.version
         self.pager.moved(t, "parked", holds_gradients=slot.accumulated > 0)
@@ -238,22 +257,24 @@ class SlotTiers:
                 self.moves["park"] += 1
         self._keep_shell(slot)
 
-    def _store(self, t: str) -> None:
-        parked = self.parked.get(t)
-        if parked is None:
-            return
+    def _store(self, t: str, parked: ParkedSlot) -> None:
+        """On the writer thread: `parked` to disk; it leaves host memory if it is still what is parked."""
         try:
             store(parked, self._path(t), durable=False)  # scratch: a restart never reads it
         except OSError:  # a full disk: it stays parked, over the host budget; the loads go on
             log.exception("%s: storing tenant %r's slot failed; it stays in host memory", self.name, t)
-            return
-        with self.lock:
-            if self.parked.get(t) is parked and self._here(t, "parked"):
-                del self.parked[t]
-                self.pager.moved(t, "stored")
-                self.moves["store"] += 1
-            else:  # retired (or served afresh) while it was written
-                self._path(t).unlink(missing_ok=True)
+        else:
+            with self.lock:
+                if self.parked.get(t) is parked and self._here(t, "parked"):
+                    del self.parked[t]
+                    self.pager.moved(t, "stored")
+                    self.moves["store"] += 1
+                else:  # loaded, retired or served afresh while it was written
+                    self._path(t).unlink(missing_ok=True)
+            self._kick.set()  # the next stores, if any wait (after a failure: the next look's round)
+        finally:
+            with self.lock:
+                self._storing.discard(t)
 
     def _unpark(self, t: str, parked: ParkedSlot) -> Slot | ParkedSlot:
         """The resident slot, or `parked` back where the copy failed."""
@@ -277,8 +298,9 @@ class SlotTiers:
         self.pager.moved(t, "resident", nbytes=slot_nbytes(slot))
         self.loads_by_tier["stored" if t in self._from_disk else "parked"] += 1
         self._from_disk.discard(t)
+        left = self._left.pop(t, 0.0)
         if t in waiting:
-            self.load_s.append(time.monotonic() - waiting[t])
+            self.load_s.append(time.monotonic() - max(waiting[t], left))
         self.moves["load"] += 1
 
     def _here(self, t: str, tier: str) -> bool:
@@ -326,7 +348,7 @@ class SlotTiers:
     def _start_read(self, tenant: str) -> None:
         with self._reading_lock:
             if tenant not in self._reading:
-                self._reading[tenant] = self._reader().submit(self._read, tenant)
+                self._reading[tenant] = self._io("reader").submit(self._read, tenant)
 
     def _read(self, tenant: str) -> ParkedSlot:
         try:
@@ -334,11 +356,13 @@ class SlotTiers:
         finally:
             self._kick.set()  # the mover makes it resident at once, not at its next look
 
-    def _reader(self) -> ThreadPoolExecutor:
+    def _io(self, kind: str) -> ThreadPoolExecutor:
+        """The reader (stored slots a request waits for) or the writer (stores): apart, so that a read
+        never queues behind writes."""
         with self._loader_lock:
-            if self._loader is None:
-                self._loader = ThreadPoolExecutor(1, thread_name_prefix="vlamux-slot-loader")
-            return self._loader
+            if kind not in self._pools:
+                self._pools[kind] = ThreadPoolExecutor(IO_THREADS[kind], thread_name_prefix=f"vlamux-slot-{kind}")
+            return self._pools[kind]
 
     def version(self, tenant: str) -> int | None:
         slot = self.runner.slots.get(tenant)
@@ -358,13 +382,16 @@ class SlotTiers:
         self._kick.set()
         if self._mover is not None and self._mover is not threading.current_thread():
             self._mover.join(timeout=10)
-        if self._loader is not None:
-            self._loader.shutdown(wait=False, cancel_futures=True)
+        with self._loader_lock:
+            pools = list(self._pools.values())
+        for pool in pools:
+            pool.shutdown(wait=False, cancel_futures=True)
         if self._spool is not None:
             shutil.rmtree(self._spool, ignore_errors=True)
 
     def _path(self, tenant: str) -> Path:
-        if self._spool is None:
-            self._spool = Path(tempfile.mkdtemp(prefix="vlamux-spool-"))
+        with self._loader_lock:  # made once, whichever thread asks first
+            if self._spool is None:
+                self._spool = Path(tempfile.mkdtemp(prefix="vlamux-spool-"))
         # by a digest: a tenant's name is not a file name
         return self._spool / f"{hashlib.sha256(tenant.encode()).hexdigest()[:32]}.safetensors"

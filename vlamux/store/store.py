@@ -472,6 +472,14 @@ class Store:
             sums[(tenant_id, kind, job_id)] = sums.get((tenant_id, kind, job_id), 0.0) + float(amount)
         if sums:
             with self._write() as s:
+                jobs = {j for _, _, j in sums if j is not None}
+                known = set(s.scalars(select(JobRow.id).where(JobRow.id.in_(jobs)))) if jobs else set()
+                if known != jobs:  # a job gone from the history since: its usage is the tenant's still
+                    folded: dict[tuple[str, str, str | None], float] = {}
+                    for (t, k, j), v in sums.items():
+                        key = (t, k, j if j in known else None)
+                        folded[key] = folded.get(key, 0.0) + v
+                    sums = folded
                 _add_usage(s, sums, now - now % USAGE_PERIOD_S)
 
     def usage_totals(self, tenant_id: str | None = None, since: float | None = None) -> UsageTotals:
