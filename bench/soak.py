@@ -1,7 +1,7 @@
 """Soak: many tenants using one `vlamux serve` continuously, and what the server holds over time.
 
 The server runs as its own process (`vlamux serve`, embedded runtime, tiny backbone, the job queue
-on: --max-running-jobs). Each of --tenants tenants, on its own thread with its own SDK client, goes
+on: --max-running-jobs, a short job history: --job-history). Each of --tenants tenants, on its own thread with its own SDK client, goes
 round short SFT, RL and eval jobs and an env session (a simulator stepped by hand), one after the
 other, until the time is up; a job is submitted and waited for, so each tenant has one thing going
 at a time and the service always has work queued.
@@ -167,7 +167,10 @@ def main(argv=None) -> int:
     ap.add_argument("--tenants", type=int, default=None, help="(20; quick 3)")
     ap.add_argument("--sample-s", type=float, default=None, help="(60; quick 10)")
     ap.add_argument("--max-running-jobs", type=int, default=6)
-    ap.add_argument("--job-history", type=int, default=20, help="finished jobs the server keeps per tenant")
+    ap.add_argument("--job-history", type=int, default=3,
+                    help="finished jobs the server keeps per tenant (the service's default is 100: a tenant "
+                         "here ends a job every minute or so, and the run must reach the steady state it "
+                         "would reach in a day)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     minutes = args.minutes or (1.5 if args.quick else 25.0)
