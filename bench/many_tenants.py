@@ -283,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kinds", default=None, help="comma-separated of heads, lora8 (default both)")
     ap.add_argument("--clients", type=int, default=64)
     ap.add_argument("--hot-clients", type=int, default=8)
-    ap.add_argument("--think-s", type=float, default=5.0,
+    ap.add_argument("--think-s", type=float, default=8.0,
                     help="each client's pause after an answer (a robot executing its chunk); 0: back to back")
     ap.add_argument("--resident-slots", type=int, default=200)
     ap.add_argument("--parked-slots", type=int, default=1000)

@@ -6,13 +6,13 @@ round short SFT, RL and eval jobs and an env session (a simulator stepped by han
 other, until the time is up; a job is submitted and waited for, so each tenant has one thing going
 at a time and the service always has work queued.
 
-Sampled every --sample-s from outside the server (psutil, the file system): its resident memory (the
-server process alone, and with its simulator processes), open files, threads, the store's size (the
-SQLite database with its WAL) and the data directory's. After --warm-min minutes, no metric should
-grow: each one's growth is the least-squares line through the samples after the warm-up, from its
-value at the warm-up's end to the last sample's time, over that value (a line, so one sample's
-noise, a simulator process coming or going, does not decide it); the last over the first is reported
-beside. Also counted: jobs by end state (target: none failed) and HTTP answers by status class, from
+Looked at every --look-s from outside the server (psutil, the file system), and averaged over each
+--sample-s (a minute): its resident memory (the server process alone, and with its simulator
+processes), open files, threads, the store's size (the SQLite database with its WAL) and the data
+directory's. After --warm-min minutes, no metric should grow: each one's growth is the least-squares
+line through the minutes after the warm-up, from its value at the warm-up's end to the last minute,
+over that value (means and a line, so that a simulator process or a job's threads coming or going at
+the moment of a look does not decide it); the last minute over the first is reported beside. Also counted: jobs by end state (target: none failed) and HTTP answers by status class, from
 the server's own /metrics (target: no 5xx), and every error a client met.
 
     python bench/soak.py [--quick] [--minutes 25] [--tenants 20]
@@ -137,6 +137,13 @@ def sample(proc, data_dir: Path) -> dict:
             "data_bytes": dir_bytes(data_dir)}
 
 
+def mean_of(looks: list[dict]) -> dict:
+    """A sample: each metric's mean over its looks, at their mean time (t_s), up to the last (t_end_s)."""
+    out = {k: float(np.mean([x[k] for x in looks])) for k in (*METRICS, "children", "t_s")}
+    out["t_end_s"], out["looks"] = looks[-1]["t_s"], len(looks)
+    return out
+
+
 def growth(times: list[float], values: list[float], start: float) -> dict:
     """The least-squares line through the samples from `start` on: its rise from `start` to the last
     sample over its value at `start`; and the last sample over the first (from `start` on)."""
@@ -165,7 +172,8 @@ def main(argv=None) -> int:
     ap.add_argument("--minutes", type=float, default=None, help="how long the tenants run (25; quick 1.5)")
     ap.add_argument("--warm-min", type=float, default=None, help="not judged before this (5; quick 0.5)")
     ap.add_argument("--tenants", type=int, default=None, help="(20; quick 3)")
-    ap.add_argument("--sample-s", type=float, default=None, help="(60; quick 10)")
+    ap.add_argument("--sample-s", type=float, default=None, help="a sample: the mean of its looks (60; quick 10)")
+    ap.add_argument("--look-s", type=float, default=None, help="(5; quick 2)")
     ap.add_argument("--max-running-jobs", type=int, default=6)
     ap.add_argument("--job-history", type=int, default=3,
                     help="finished jobs the server keeps per tenant (the service's default is 100: a tenant "
@@ -177,6 +185,7 @@ def main(argv=None) -> int:
     warm_min = args.warm_min if args.warm_min is not None else (0.5 if args.quick else 5.0)
     tenants = args.tenants or (3 if args.quick else 20)
     sample_s = args.sample_s or (10.0 if args.quick else 60.0)
+    look_s = args.look_s or (2.0 if args.quick else 5.0)
 
     from vlamux.data.demos import generate
     from vlamux.sdk import Client
@@ -191,7 +200,7 @@ def main(argv=None) -> int:
     proc = spawn(data_dir, port, log=log_path.open("a"),
                  extra_args=("--log-level", "warning", "--backbone", "tiny", "--group-cap", "none",
                              "--max-running-jobs", str(args.max_running_jobs), "--job-history", str(args.job_history)))
-    tally, samples = Tally(), []
+    tally, samples, looks = Tally(), [], []
     try:
         admin_key = (data_dir / "admin.key").read_text().strip()
         admin = Client(url, admin_key)
@@ -204,18 +213,21 @@ def main(argv=None) -> int:
             th.start()
         while True:
             now = time.monotonic()
-            s = sample(proc, data_dir)
-            s["t_s"] = now - t0
-            with tally.lock:
-                s["done"] = sum(tally.done.values())
-            samples.append(s)
-            print(f"  {s['t_s'] / 60:5.1f} min: rss {s['server_rss_bytes'] / 2**20:.0f} MiB "
-                  f"(tree {s['tree_rss_bytes'] / 2**20:.0f}), files {s['open_files']}, threads {s['threads']}, "
-                  f"store {s['store_bytes'] / 2**20:.2f} MiB, data {s['data_bytes'] / 2**20:.1f} MiB, "
-                  f"{s['done']} done", flush=True)
+            look = sample(proc, data_dir)
+            look["t_s"] = now - t0
+            looks.append(look)
+            if len(looks) > 1 and int(look["t_s"] // sample_s) != int(looks[-2]["t_s"] // sample_s) or now >= until:
+                s = mean_of([x for x in looks if x["t_s"] > (samples[-1]["t_end_s"] if samples else -1)])
+                with tally.lock:
+                    s["done"] = sum(tally.done.values())
+                samples.append(s)
+                print(f"  {s['t_end_s'] / 60:5.1f} min: rss {s['server_rss_bytes'] / 2**20:.0f} MiB "
+                      f"(tree {s['tree_rss_bytes'] / 2**20:.0f}), files {s['open_files']:.0f}, threads "
+                      f"{s['threads']:.0f}, store {s['store_bytes'] / 2**20:.2f} MiB, data "
+                      f"{s['data_bytes'] / 2**20:.1f} MiB, {s['done']} done", flush=True)
             if now >= until:
                 break
-            time.sleep(max(0.0, min(sample_s, until - time.monotonic()) - (time.monotonic() - now)))
+            time.sleep(max(0.0, min(look_s, until - time.monotonic()) - (time.monotonic() - now)))
         for th in threads:  # each finishes what it was doing
             th.join(1800)
         answers = http_answers(url, admin_key)
@@ -232,7 +244,7 @@ def main(argv=None) -> int:
     payload = {"benchmark": "soak", "tenants": tenants, "minutes": minutes, "warm_min": warm_min, "sample_s": sample_s,
                "setting": {"backbone": "tiny", "max_running_jobs": args.max_running_jobs,
                            "job_history": args.job_history, "activities": list(ACTIVITIES), "env": ENV, "head": HEAD},
-               "samples": samples, "growth": grew, "done": dict(tally.done), "failed_jobs": tally.failed,
+               "look_s": look_s, "samples": samples, "looks": looks, "growth": grew, "done": dict(tally.done), "failed_jobs": tally.failed,
                "client_errors": tally.errors, "http_answers": answers, "target_met": met,
                "environment": environment("cpu")}
     out = write_json("soak_quick.json" if args.quick else "soak.json", payload, args.out)

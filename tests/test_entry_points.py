@@ -157,7 +157,7 @@ def test_many_tenants_benchmark_smoke(tmp_path):
     out = tmp_path / "mt.json"
     many_tenants.main(["--backbone", "tiny", "--image-size", "32", "--tenants", "20,60", "--kinds", "heads",
                        "--clients", "6", "--hot-clients", "1", "--resident-slots", "10", "--parked-slots", "20",
-                       "--seconds", "1.5", "--rounds", "1", "--out", str(out)])
+                       "--seconds", "1.5", "--rounds", "1", "--think-s", "0", "--out", str(out)])
     data = json.loads(out.read_text())
     assert data["partial"] is False and data["done"] == ["heads:20", "heads:60"]
     small, big = data["cells"]

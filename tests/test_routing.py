@@ -82,7 +82,20 @@ def test_retries_stop_at_the_time_limit():
 def test_no_replica_is_the_transports_own_error():
     r = Replicas({})
     with pytest.raises(UnknownTenantError, match="no replica"):
-        r.router().predict("a", None).result(5)
+        r.router().predict("b", None).result(5)  # a tenant the runtime does not know: at once
+    with pytest.raises(UnknownTenantError, match="no replica"):
+        r.router(give_up_s=0.1, retry_s=0.02).predict("a", None).result(5)  # one it knows: at the time limit
+
+
+def test_a_known_tenant_no_replica_serves_yet_is_sent_once_one_does():
+    """Its policy is published but not delivered yet (the weight lane is behind under load): the request
+    waits for a replica that serves it instead of failing."""
+    r = Replicas({})
+    out = r.router(retry_s=0.01).predict("a", None)
+    time.sleep(0.05)
+    assert not out.done()
+    r.script["r0"] = []  # delivered
+    assert out.result(5) == {"actions": "r0"} and r.sent == ["r0"]
 
 
 def test_other_errors_are_the_answer():

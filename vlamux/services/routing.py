@@ -3,9 +3,10 @@ both runtimes, over their transports (a replica in this process, or a Ray actor)
 
 A request goes to the least loaded replica that can serve the tenant (none being restarted, if any
 other can). If that replica goes away before answering (its queue closed, its actor died), the
-request goes to another one at once, up to `tries` replicas; after that, and when a replica answers
-that it does not know a tenant the runtime does know (restarted, not restored yet), it is sent again
-every `retry_s` until `give_up_s` after it was made. Anything else is the request's answer.
+request goes to another one at once, up to `tries` replicas; after that, when a replica answers that
+it does not know a tenant the runtime does know (restarted, not restored yet), and when no replica
+serves a tenant the runtime knows yet (its policy published, not delivered), it is sent again every
+`retry_s` until `give_up_s` after it was made. Anything else is the request's answer.
 """
 
 from __future__ import annotations
@@ -52,7 +53,12 @@ class Router:
     def _route(self, out: Future, a: _Attempt) -> None:
         names = self.candidates(a.tenant, a.avoid)
         if not names:
-            out.set_exception(self.no_replica(a.tenant))
+            if self.known(a.tenant) and time.monotonic() < a.give_up_at:
+                # published, not delivered to a replica yet (the weight lane is behind under load), or
+                # every replica restarting: a moment later
+                self._again(out, a, self.retry_s)
+            else:
+                out.set_exception(self.no_replica(a.tenant))
             return
         name = names[0]
         try:

@@ -183,9 +183,9 @@ class SlotTiers:
                 log.exception("%s: paging slots failed", self.name)
 
     def page(self, waiting: dict[str, float] | None = None) -> PagePlan:
-        """One paging round now, on the calling thread (the mover's, or a test's): park, load what is in
-        host memory, start reading what is on disk, then store (`waiting`: tenants with requests
-        queued -> when the oldest came, the oldest first). Tenants that cannot be served are refused
+        """One paging round now, on the calling thread (the mover's, or a test's): start reading what is
+        on disk, load what is in host memory, copy out what it took down, then hand stores to the writer
+        (`waiting`: tenants with requests queued -> when the oldest came, the oldest first). Tenants that cannot be served are refused
         (`on_refused`). Returns the plan."""
         t0 = time.monotonic()
         waiting = waiting or {}
@@ -200,17 +200,17 @@ class SlotTiers:
                 for t, _ in up:
                     self.pager.moved(t, "resident")
                 reads = [t for t in plan.load if not self._here(t, "resident")]  # on disk
-            for t, slot in out:
-                self._park(t, slot)
-            for t in reads:  # on disk: read on the loader thread; loaded on a later round
+            for t in reads:  # on disk: read on a reader thread; loaded on a later round
                 self._start_read(t)
-            with self.runner.lane.paging():
+            with self.runner.lane.paging():  # what requests wait for first, then the copies out
                 loaded = [(t, self._unpark(t, parked)) for t, parked in up]
             with self.lock:
                 for t, slot in loaded:
                     self._arrive(t, slot, waiting)
             if loaded:
                 self.on_resident()
+            for t, slot in out:
+                self._park(t, slot)
             # stores on a writer thread, a few at a time: a round (what requests wait for) is not held
             # up by writes, nor a backlog of them (ten thousand tenants registered at once)
             for t in plan.store:
@@ -223,8 +223,9 @@ class SlotTiers:
             for t, error in failed.items():
                 self.on_refused(t, error)
             for t in plan.never:
+                e = self.pager.entries.get(t)
                 self.on_refused(t, InvalidInputError(
-                    f"{self.name}: the slot of tenant {t!r} ({self.pager.entries[t].nbytes} bytes) is larger than "
+                    f"{self.name}: the slot of tenant {t!r} ({e.nbytes if e else '?'} bytes) is larger than "
                     f"this replica's whole slot budget ({self.pager.budget.resident_bytes} bytes)"))
             return plan
         finally:

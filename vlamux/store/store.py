@@ -15,12 +15,13 @@ from collections.abc import Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import create_engine, delete, event, func, or_, select, update
+from sqlalchemy import create_engine, delete, event, func, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from vlamux.errors import InvalidInputError
+from vlamux.store import usage
 from vlamux.store.models import ApiKeyRow, Base, CheckpointRow, JobEventRow, JobRow, SlotRow, TenantRow, UsageRow
 from vlamux.store.records import (
     JOB_STATES,
@@ -49,7 +50,6 @@ from vlamux.store.records import (
 )
 
 _LAST_USED_EVERY_S = 60.0  # authenticate writes last_used_at at most this often per key
-USAGE_PERIOD_S = 3600.0  # usage is kept per tenant, kind, job and hour
 
 log = logging.getLogger(__name__)
 
@@ -329,11 +329,7 @@ class Store:
                 return []
             ids = [r.id for r in rows]
             gone = [to_job(r) for r in rows]
-            for at, kind, total in s.execute(
-                    select(UsageRow.at, UsageRow.kind, func.sum(UsageRow.amount))
-                    .where(UsageRow.job_id.in_(ids)).group_by(UsageRow.at, UsageRow.kind)).all():
-                _add_usage(s, {(tenant_id, kind, None): float(total)}, at)
-            s.execute(delete(UsageRow).where(UsageRow.job_id.in_(ids)))
+            usage.fold_jobs(s, tenant_id, ids)
             s.execute(delete(JobEventRow).where(JobEventRow.job_id.in_(ids)))
             s.execute(delete(CheckpointRow).where(CheckpointRow.job_id.in_(ids)))
             s.execute(delete(JobRow).where(JobRow.id.in_(ids)))
@@ -459,9 +455,7 @@ class Store:
         self.record_usage_many([(tenant_id, kind, amount, job_id)])
 
     def record_usage_many(self, rows: list[tuple[str, str, float, str | None]]) -> None:
-        """Add usage in one transaction (all or none). Kept rolled up: one row per tenant, kind, job and
-        hour (its `at` the hour's start), which each write adds to, so the table grows with the hours
-        and the jobs metered, not with the meter's ticks (four a second)."""
+        """Add usage in one transaction (all or none), rolled up by the hour (`vlamux.store.usage`)."""
         now = time.time()
         sums: dict[tuple[str, str, str | None], float] = {}
         for tenant_id, kind, amount, job_id in rows:
@@ -472,15 +466,7 @@ class Store:
             sums[(tenant_id, kind, job_id)] = sums.get((tenant_id, kind, job_id), 0.0) + float(amount)
         if sums:
             with self._write() as s:
-                jobs = {j for _, _, j in sums if j is not None}
-                known = set(s.scalars(select(JobRow.id).where(JobRow.id.in_(jobs)))) if jobs else set()
-                if known != jobs:  # a job gone from the history since: its usage is the tenant's still
-                    folded: dict[tuple[str, str, str | None], float] = {}
-                    for (t, k, j), v in sums.items():
-                        key = (t, k, j if j in known else None)
-                        folded[key] = folded.get(key, 0.0) + v
-                    sums = folded
-                _add_usage(s, sums, now - now % USAGE_PERIOD_S)
+                usage.add(s, sums, now)
 
     def usage_totals(self, tenant_id: str | None = None, since: float | None = None) -> UsageTotals:
         """Summed usage per tenant and kind, optionally of one tenant and from `since` on (to the hour:
@@ -495,25 +481,6 @@ class Store:
             for tid, kind, total in s.execute(q.group_by(UsageRow.tenant_id, UsageRow.kind)):
                 totals.setdefault(tid, {})[kind] = float(total)
         return totals
-
-
-def _add_usage(s: Session, sums: dict[tuple[str, str, str | None], float], at: float) -> None:
-    """Add each (tenant, kind, job) amount to its row of period `at`, or make the row. Added in SQL
-    (amount = amount + x), so concurrent writers each add theirs; two that both make a new row make
-    two, which sum the same."""
-    jobs = {j for _, _, j in sums if j is not None}
-    q = select(UsageRow.id, UsageRow.tenant_id, UsageRow.kind, UsageRow.job_id).where(
-        UsageRow.at == at, UsageRow.tenant_id.in_({t for t, _, _ in sums}), UsageRow.kind.in_({k for _, k, _ in sums}),
-        or_(UsageRow.job_id.in_(jobs), UsageRow.job_id.is_(None)))
-    have: dict[tuple, int] = {}
-    for rid, tenant_id, kind, job_id in s.execute(q):
-        have.setdefault((tenant_id, kind, job_id), rid)
-    for (tenant_id, kind, job_id), amount in sums.items():
-        rid = have.get((tenant_id, kind, job_id))
-        if rid is None:
-            s.add(UsageRow(tenant_id=tenant_id, kind=kind, amount=amount, job_id=job_id, at=at))
-        else:
-            s.execute(update(UsageRow).where(UsageRow.id == rid).values(amount=UsageRow.amount + amount))
 
 
 def _tune_sqlite(engine: Engine) -> None:
