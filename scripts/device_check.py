@@ -20,9 +20,9 @@ backend MuJoCo will use is probed in a subprocess (vlamux.envs.render.configure_
 context) and printed: EGL, or why not. Where rendering cannot work those steps are skipped with that
 reason (the RL test deselected) instead of failing one after another; the others inherit the choice.
 
-Out: group_batching.json (the base, vla and hf runs merged), fused_heads.json, lora_groups.json,
-inference_serving.json, async_rl.json, multi_tenant.json, summary.json, device_check.log: eight files,
-what a device call brings back at most. docs/GPU.md says how to run it on the lent machine (wheels and
+Out: group_batching.json (the base, vla and hf runs merged), tenants.json (multi_tenant and
+many_tenants merged), fused_heads.json, lora_groups.json, inference_serving.json, async_rl.json,
+summary.json, device_check.log: eight files, what a device call brings back at most. docs/GPU.md says how to run it on the lent machine (wheels and
 GL loaders carried with the tree).
 """
 
@@ -43,8 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from device_plan import (BUDGET_S, COMMAND_MAX_S, DRY_BUDGET_S, DRY_GL_PROBE_S, GL_PROBE_S, MERGED, MODES,  # noqa: E402, F401
-                         SKIP_UNDER_S, Step, plan, planned_cells, print_plan, steps)
+from device_plan import (BUDGET_S, BUNDLES, COMMAND_MAX_S, DRY_BUDGET_S, DRY_GL_PROBE_S, GL_PROBE_S, MERGED,  # noqa: E402, F401
+                         MODES, SKIP_UNDER_S, bundle_key, Step, plan, planned_cells, print_plan, steps)
 from step_process import StepProcess, preload  # noqa: E402
 
 
@@ -227,6 +227,10 @@ def summarize(out_dir: Path, runs: dict, dry: bool, wall_s: float, chosen: list[
     mt = _load(out_dir, "multi_tenant")
     s["multi_tenant"] = _pick(mt, ("reduction", "train_util_isolated", "train_util_multi", "infer_util_isolated",
                                    "infer_util_multi"))
+    s["many_tenants"] = {f"{c['kind']}:{c['tenants']}": _pick(c, ("hit_rate", "requests_per_s", "hot_p99_s",
+                                                                 "hot_p99_over_smallest_n", "load_wait_p99_s",
+                                                                 "load_wait_p99_over_limit", "within_budget"))
+                         for c in _cells_of(_load(out_dir, "many_tenants"))} or None
     memory = {}  # bench/common.py's AllocatorPeaks: the allocator's peaks over the step, reserved bytes by pool
     for name, res in (("async_rl", arl), ("multi_tenant", mt)):
         if isinstance(res, dict) and res.get("memory"):
@@ -243,15 +247,17 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _collect(work: Path, out_dir: Path) -> None:
-    """The results into `out_dir`: the group-batching runs merged into one file (a device call brings
-    back eight files at most), the others as they are."""
-    merged = {name.removeprefix("group_batching_"): _load(work, name) for name in MERGED}
-    if any(v is not None for v in merged.values()):
-        before = _load(out_dir, "group_batching") or {}  # a rerun of some steps keeps the others' results
-        merged = {k: v if v is not None else before.get(k) for k, v in merged.items()}
-        _write_atomic(out_dir / "group_batching.json", json.dumps(merged, indent=1) + "\n")
+    """The results into `out_dir`: a bundle's steps merged into one file (a device call brings back
+    eight files at most), the others as they are."""
+    for bundle, names in BUNDLES.items():
+        merged = {bundle_key(bundle, name): _load(work, name) for name in names}
+        if any(v is not None for v in merged.values()):
+            before = _load(out_dir, bundle) or {}  # a rerun of some steps keeps the others' results
+            merged = {k: v if v is not None else before.get(k) for k, v in merged.items()}
+            _write_atomic(out_dir / f"{bundle}.json", json.dumps(merged, indent=1) + "\n")
+    bundled = {name for names in BUNDLES.values() for name in names}
     for f in work.glob("*.json"):
-        if f.stem not in MERGED:
+        if f.stem not in bundled:
             _write_atomic(out_dir / f.name, f.read_text())
 
 

@@ -140,7 +140,15 @@ def steps() -> list[Step]:
     ]
 
 
-MERGED = ("group_batching_base", "group_batching_vla", "group_batching_hf")  # into group_batching.json
+# Steps whose results share one file (a device call brings back eight files at most): the file's name,
+# its steps; each step's result under its name less the file's name as a prefix ("base", "many_tenants")
+BUNDLES = {"group_batching": ("group_batching_base", "group_batching_vla", "group_batching_hf"),
+           "tenants": ("multi_tenant", "many_tenants")}
+MERGED = BUNDLES["group_batching"]
+
+
+def bundle_key(bundle: str, step: str) -> str:
+    return step.removeprefix(bundle + "_")
 
 
 def _arg(argv: list[str], flag: str, default: str | None = None) -> str | None:

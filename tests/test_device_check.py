@@ -48,7 +48,10 @@ def test_device_check_dry_run(tmp_path):
     assert set(merged) == {"base", "vla", "hf"} and all(merged.values())
     assert {c["backbone"] for c in merged["hf"]["cells"]} == {"qwen2_5_vl"}  # the random hf directory the check made
     results = {f"group_batching_{k}": v for k, v in merged.items()}
-    for name in ("fused_heads", "lora_groups", "inference_serving", "async_rl", "multi_tenant"):
+    tenants = json.loads((out / "tenants.json").read_text())
+    assert set(tenants) == {"multi_tenant", "many_tenants"}
+    results.update(tenants)
+    for name in ("fused_heads", "lora_groups", "inference_serving", "async_rl"):
         results[name] = json.loads((out / f"{name}.json").read_text())
     check = _device_check()
     planned = {s.name: check.planned_cells(s, dry=True) for s in check.steps()}
@@ -56,7 +59,9 @@ def test_device_check_dry_run(tmp_path):
         assert result["partial"] is False and result["planned"] == planned[name] == result["done"], name
         assert summary["steps"][name]["cells"] == {"planned": len(planned[name]), "done": len(planned[name]),
                                                    "missing": [], "partial": False}
-        if "cells" in result and name != "inference_serving":  # a grid's cells
+        if name == "many_tenants":  # one placement for its cells, in its environment
+            placed = result["environment"]["dtype"]
+        elif "cells" in result and name != "inference_serving":  # a grid's cells
             placed = {c["dtype"] for c in result["cells"]}.pop()
         else:
             placed = (result.get("placement") or result.get("config"))["dtype"]
@@ -70,6 +75,8 @@ def test_device_check_dry_run(tmp_path):
     assert results["lora_groups"]["config"]["dtype"] == "bfloat16"  # the dry run's LoRA deltas on a bf16 backbone
     assert summary["lora_groups_worst_of_limit"] > 0
     assert summary["async_rl"]["speedup"] > 0 and "reduction" in summary["multi_tenant"]
+    assert set(summary["many_tenants"]) == {"heads:20", "heads:100"}
+    assert all(c["within_budget"] and c["requests_per_s"] > 0 for c in summary["many_tenants"].values())
     peaks = {"peak_allocated_bytes", "peak_reserved_bytes", "rollout_reserved_bytes", "model_reserved_bytes",
              "separate"}  # bench/common.py's AllocatorPeaks, read from the allocator (zeros on a CPU)
     for name in ("async_rl", "multi_tenant"):
