@@ -74,6 +74,19 @@ def backbone():
     return build_backbone(BackboneSpec(preset="tiny", seed=0))
 
 
+@pytest.fixture(scope="module")
+def runtime():
+    """An embedded runtime of the tiny backbone for one test module (a module defining its own
+    `runtime` fixture uses that one)."""
+    from vlamux.services.queues import InferenceQueueConfig
+    from vlamux.services.runtime import EmbeddedRuntime, RuntimeConfig
+
+    rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset="tiny"),
+                                       inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.005))).start()
+    yield rt
+    rt.stop()
+
+
 def make_runner(backbone, tenants=TENANTS, lr=1e-3, **kw) -> ModelRunner:
     runner = ModelRunner(backbone, **kw)
     for i, (name, (spec, _)) in enumerate(tenants.items()):

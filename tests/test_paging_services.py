@@ -188,8 +188,8 @@ def test_a_stored_slot_read_back_does_not_hold_up_resident_tenants(backbone, mon
     one = serving_bytes(trainer)
     paged = replica(backbone, trainer, SlotBudget(resident_bytes=3 * one, parked_bytes=1))
     free = replica(backbone, trainer)
-    gate, read = threading.Event(), slot_tiers.read_stored
-    monkeypatch.setattr(slot_tiers, "read_stored", lambda path: gate.wait(60) and read(path))
+    gate, read = threading.Event(), slot_tiers.unspool
+    monkeypatch.setattr(slot_tiers, "unspool", lambda path, digest: gate.wait(60) and read(path, digest))
     try:
         g = torch.Generator().manual_seed(5)
         obs = {t: make_batch(PROFILE, 1, g)[0] for t in trainer.slots}
@@ -226,10 +226,10 @@ def test_a_failed_move_leaves_the_slot_where_it_was_and_a_retired_one_is_answere
     one = serving_bytes(trainer)
     free = replica(backbone, trainer)
 
-    def full_disk(parked, path, durable=True):
+    def full_disk(parked, path):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(slot_tiers, "store", full_disk)
+    monkeypatch.setattr(slot_tiers, "spool", full_disk)
     paged = replica(backbone, trainer, SlotBudget(resident_bytes=one, parked_bytes=1))
     try:
         g = torch.Generator().manual_seed(6)

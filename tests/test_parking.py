@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from conftest import TENANTS, same_bytes, snapshot
-from vlamux.errors import InvalidInputError
+from vlamux.errors import CorruptCheckpointError, InvalidInputError
 from vlamux.model import ForwardBackward, HeadSpec, ModelRunner, OptimizerSpec, Sample
-from vlamux.model.parking import park, read_stored, store, unpark
+from vlamux.model.parking import park, read_stored, spool, store, unpark, unspool
 from vlamux.model.synthetic import make_batch
 from vlamux.model.slot_file import read_slot_file
 
@@ -42,10 +42,13 @@ def runner(backbone, fuse_heads, tenants=MOVED):
     return r
 
 
-def move(r: ModelRunner, tenant: str, path=None) -> None:
-    """Out of the runner and back: parked, or (with `path`) stored and read back."""
+def move(r: ModelRunner, tenant: str, path=None, spooled: bool = False) -> None:
+    """Out of the runner and back: parked, or (with `path`) stored and read back (spooled: as a
+    service's spool does it)."""
     parked = park(r.remove_slot(tenant))
-    if path is not None:
+    if path is not None and spooled:
+        parked = unspool(path, spool(parked, path))
+    elif path is not None:
         store(parked, path)
         parked = read_stored(path)
     backbone = r.backbones[parked.backbone_id]
@@ -75,7 +78,7 @@ def test_parked_and_stored_slots_continue_bit_identically(request, tmp_path, on,
         for t in names:
             assert still.optim_step(t).unwrap()["policy_version"] == moved.optim_step(t).unwrap()["policy_version"]
         move(moved, parked)
-        move(moved, stored, tmp_path / f"{stored}.safetensors")
+        move(moved, stored, tmp_path / f"{stored}.safetensors", spooled=step % 2 == 1)
         if step % 10 == 9:
             samples = [Sample(t, obs) for t, (obs, _) in data.items()]
             for a, b in zip(still.execute(samples), moved.execute(samples)):
@@ -101,6 +104,20 @@ def test_a_parked_slot_keeps_its_accumulated_gradients_and_their_norm(backbone):
     assert all((p.grad is None and g is None) or torch.equal(p.grad, g) for p, g in zip(again.params, grads))
     with pytest.raises(InvalidInputError, match="un-stepped gradients"):
         store(parked, "/nonexistent/never-written.safetensors")
+    with pytest.raises(InvalidInputError, match="un-stepped gradients"):
+        spool(parked, "/nonexistent/never-written.safetensors")
+
+
+def test_a_spooled_slot_whose_bytes_changed_is_refused(backbone, tmp_path):
+    r = runner(backbone, False)
+    path = tmp_path / "spooled.safetensors"
+    digest = spool(park(r.slot("lora")), path)
+    assert read_stored(path).tenant == "lora"  # a spooled slot is a slot file too
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40  # one bit of the last tensor
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="not those written"):
+        unspool(path, digest)
 
 
 def test_parked_bytes_are_the_slots_parts(backbone, tmp_path):

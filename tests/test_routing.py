@@ -27,7 +27,7 @@ class Replicas:
         names = [n for n in self.script if n not in avoid] or list(self.script)
         return sorted(names, key=lambda n: self.load.get(n, 0))
 
-    def send(self, name, tenant, obs, deterministic, deadline_s):
+    def send(self, name, tenant, obs, deterministic, deadline_s, explore=None):
         self.sent.append(name)
         outcome = self.script[name].pop(0) if self.script[name] else {"actions": name}
         f = Future()

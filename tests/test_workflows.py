@@ -26,14 +26,6 @@ HEAD = {"kind": "gaussian", "action_dim": 4, "horizon": 4, "state_dim": 8, "widt
 
 
 @pytest.fixture(scope="module")
-def runtime():
-    rt = EmbeddedRuntime(RuntimeConfig(backbone=BackboneSpec(preset="tiny"),
-                                       inference_queue=InferenceQueueConfig(batch_rows=8, max_wait_s=0.005))).start()
-    yield rt
-    rt.stop()
-
-
-@pytest.fixture(scope="module")
 def demos(tmp_path_factory):
     from demos import demo_dataset
 

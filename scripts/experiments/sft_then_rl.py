@@ -24,6 +24,10 @@ path: a backbone forward every step, the Training and Inference Queues, the Envi
     python scripts/experiments/sft_then_rl.py rl $S --init runs/spatial-dart/sft/checkpoint.safetensors \
         --task spatial --episodes 400 --reward dense --algorithm ppo --mode sync --n-envs 16 --segment-steps 30 \
         --critic-warmup 5 --lr 3e-5 --epochs 4 --env-steps 400000 --workdir runs/dart-ppo-sync
+    # a flow head: SFT, then Flow-SDE RL (PPO's critic is part of the head: give both runs one --algorithm)
+    python scripts/experiments/sft_then_rl.py sft --head flow --algorithm ppo --workdir runs/flow
+    python scripts/experiments/sft_then_rl.py rl --head flow --algorithm ppo --init runs/flow/sft/checkpoint.safetensors \
+        --noise-level 0.5 --steps-trained 2 --workdir runs/flow
     # evaluate any checkpoint on the same seeds and pair it with another evaluation
     python scripts/experiments/sft_then_rl.py eval $S --init runs/dart-ppo-sync/rl/checkpoint.safetensors \
         --episodes 400 --workdir runs/eval --compare runs/spatial-dart/sft/result.json
@@ -78,11 +82,17 @@ def main(argv=None) -> int:
     ap.add_argument("--reward", default="sparse", choices=("sparse", "dense"),
                     help="rl: the tabletop reward (dense: potential-based shaping on top of success)")
     ap.add_argument("--instruction-cond", default="add", choices=("none", "add", "adaln"))
+    ap.add_argument("--head", default="gaussian", choices=("gaussian", "flow"),
+                    help="flow: a flow head (10 Euler steps; with a critic for PPO), reinforced by Flow-SDE")
+    ap.add_argument("--noise-level", type=float, default=0.5, help="flow: rl.flow.noise_level")
+    ap.add_argument("--steps-trained", type=int, default=0, help="flow: rl.flow.steps_trained (0: all)")
     add_device_arguments(ap)
     args = ap.parse_args(argv)
     device, dtype = parse_device_arguments(ap, args)
     torch.set_num_threads(args.threads)
     head = {**HEAD, "instruction_cond": args.instruction_cond}
+    if args.head == "flow":
+        head.update(kind="flow", options={"steps": 10, "critic": args.algorithm == "ppo"})
     rl_tasks = SUITES.get(args.task) or args.task.split(",")
     env = {"task": rl_tasks[0], "image_size": 32, "max_steps": 120, "n_action_steps": 4}
     tasks = (SUITES.get(args.eval_tasks) or args.eval_tasks.split(",")) if args.eval_tasks else []
@@ -95,6 +105,8 @@ def main(argv=None) -> int:
         rl["segment_steps"] = args.segment_steps
     if len(rl_tasks) > 1:
         rl.update({"tasks": rl_tasks, "sub_batches": len(rl_tasks)})
+    if args.head == "flow":
+        rl["flow"] = {"noise_level": args.noise_level, "steps_trained": args.steps_trained}
     spec = {"name": args.what, "tenant": "g", "kind": "rl", "head": head, "optimizer": {"lr": 1e-3}, "rl": rl,
             "eval": {"episodes": args.episodes, "n_envs": 10, "env": env, "before": args.what == "rl",
                      "tasks": tasks},

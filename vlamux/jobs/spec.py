@@ -74,6 +74,8 @@ class JobSpec:
         if not self.name or len(self.name) > 128 or not all(c.isalnum() or c in "-_." for c in self.name):
             raise JobSpecError(f"name: 1 to 128 letters, digits, '-', '_' and '.', got {self.name[:80]!r}")
         self._lerobot_head()
+        if self.kind == "rl":
+            self._flow_rl()
         if self.init_adapter is not None:
             if self.head.adapter is None:
                 raise JobSpecError("init_adapter: the head has no adapter to start; give head.adapter too")
@@ -95,6 +97,27 @@ class JobSpec:
                 self.sft.camera_map = {f"observation.images.{c}": c for c in self.head.options["cameras"]}
         if self.head is None:
             raise JobSpecError("head: required (unless init_from names a LeRobot checkpoint)")
+
+    def _flow_rl(self) -> None:
+        """RL on a flow head samples its chain with exploration (rl.flow, defaults when not given); PPO's
+        critic must be on the head. Checked here, not at the first update."""
+        from vlamux.model.heads.flow_sde import FlowExploration
+
+        kind = self.head.kind if self.head is not None else None
+        if kind == "lerobot":
+            raise JobSpecError("rl: RL on an imported LeRobot expert is not available yet (SFT, evaluation and "
+                               "serving are); a flow head of vlamux's own can be reinforced")
+        if kind != "flow":
+            if self.rl.flow is not None:
+                raise JobSpecError(f"rl.flow: for a flow head; this head is {kind!r}")
+            return
+        if self.rl.flow is None:
+            self.rl.flow = FlowExploration()
+        if not self.rl.flow.noise_level > 0:
+            raise JobSpecError("rl.flow.noise_level: RL scores a stochastic chain; it must be > 0")
+        if self.rl.algorithm == "ppo" and not self.head.options.get("critic"):
+            raise JobSpecError("rl.algorithm: PPO trains a critic, and this flow head has none; set "
+                               "head.options.critic: true, or use algorithm grpo")
 
     @property
     def env(self) -> EnvSpec | None:

@@ -156,7 +156,11 @@ class FusedHeads:
         # padded rows count for nothing: no valid step
         mask = torch.stack([_pad_rows(x.mask, rows, fill=False) for x in inputs])
         if rl:
-            log_prob, entropy, value = heads.module.evaluate(b.feature, b.state, actions, mask)
+            sampled = None
+            if inputs[0].loss.sampled is not None:  # a flow policy's chains, stacked like the rows
+                sampled = {k: torch.stack([_pad_rows(x.loss.sampled[k], rows) for x in inputs])
+                           for k in inputs[0].loss.sampled}
+            log_prob, entropy, value = heads.module.evaluate(b.feature, b.state, actions, mask, sampled=sampled)
             per = [slot.objective(x, (log_prob[i, :n], entropy[i, :n], None if value is None else value[i, :n]))
                    for i, (slot, x, n) in enumerate(zip(slots, inputs, b.rows))]
         else:

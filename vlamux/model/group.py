@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from torch import Tensor
 
 from vlamux.model.batch import Observation
+from vlamux.model.heads.flow_sde import FlowExploration
 from vlamux.model.policy_loss import PolicyLoss
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class Sample:
     obs: Observation
     deterministic: bool = False
     noise: Tensor | None = None  # a flow head's starting noise [B, H, A'], given instead of drawn
+    explore: FlowExploration | None = None  # a flow policy sampling for RL: its chain stochastic, kept
 
 
 Request = ForwardBackward | Sample

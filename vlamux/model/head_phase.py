@@ -150,7 +150,8 @@ class HeadPhase:
             if isinstance(req, ForwardBackward):
                 work.pending = slot.compute(slot.fb_inputs(feature, rows), noise=given_draws(req))
             else:
-                work.output = slot.sample_rows(feature, rows, req.deterministic, noise=given_draws(req))
+                work.output = slot.sample_rows(feature, rows, req.deterministic, noise=given_draws(req),
+                                               explore=req.explore)
         except Exception as e:  # noqa: BLE001 - one tenant's failure is that tenant's result
             log.debug("tenant %r request failed: %s", slot.tenant, e)
             work.error = e
@@ -176,7 +177,8 @@ class HeadPhase:
                 continue
             got.rngs.append(slot.generator.get_state())
             got.noises.append({} if training and x.loss is not None else
-                              slot.draw("loss" if training else "sample", rows, getattr(req, "deterministic", False)))
+                              slot.draw("loss" if training else "sample", rows, getattr(req, "deterministic", False),
+                                        getattr(req, "explore", None)))
             got.works.append(Work(i, slot))
             got.inputs.append(x)
             got.rows.append(rows)
@@ -297,7 +299,13 @@ class HeadPhase:
 def _mode(req: Request) -> str:
     """A request's call mode, part of what fusing needs to match."""
     if isinstance(req, Sample):
-        return "sample-deterministic" if req.deterministic else "sample"
+        if req.deterministic:
+            return "sample-deterministic"
+        # exploring requests draw a chain's noise, and stack only with those of as many stochastic steps
+        return "sample" if req.explore is None else f"sample-explore-{req.explore.steps_trained}"
     if req.loss is None:
         return "supervised"
-    return "rl-value" if req.loss.returns is not None else "rl"
+    mode = "rl-value" if req.loss.returns is not None else "rl"
+    if req.loss.sampled is not None:  # a chain's stochastic steps: as many in every request stacked
+        mode += f"-chain-{tuple(req.loss.sampled['chain_steps'].shape[1:])}"
+    return mode

@@ -30,7 +30,7 @@ from vlamux.model.feature import FeatureMeta
 from vlamux.model.heads import HeadSpec
 from vlamux.model.slot import OptimizerSpec, Slot
 from vlamux.model.slot_file import MODULE_PREFIXES
-from vlamux.utils.io import atomic_save_safetensors, tensors_sha256
+from vlamux.utils.io import atomic_path, atomic_save_safetensors, tensors_sha256
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,43 @@ def store(parked: ParkedSlot, path: str | Path, durable: bool = True) -> None:
     tensors = {k: v.clone() for k, v in parked.tensors.items()}  # a file's tensors share no storage
     atomic_save_safetensors(tensors, path, {**meta, "content_sha256": tensors_sha256(tensors)},
                             durable)
+
+
+def spool(parked: ParkedSlot, path: str | Path) -> str:
+    """`store` for a service's spool (scratch no restart reads: not fsynced). Returns the sha256 of the
+    file's bytes, for `unspool`."""
+    import hashlib
+
+    from safetensors.torch import save
+
+    if parked.holds_gradients:
+        raise InvalidInputError(f"tenant {parked.tenant!r} holds un-stepped gradients: a stored slot has none")
+    meta = {k: v for k, v in parked.meta.items() if k != "accumulated"}
+    tensors = {k: v.clone() for k, v in parked.tensors.items()}  # a file's tensors share no storage
+    data = save(tensors, {**meta, "content_sha256": tensors_sha256(tensors)})
+    with atomic_path(path, durable=False) as tmp:
+        Path(tmp).write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def unspool(path: str | Path, digest: str) -> ParkedSlot:
+    """A slot `spool` wrote, read back whole and checked against the digest it returned: one read and
+    one hash over the bytes. `read_stored`'s per-tensor digest and finiteness check cost three times
+    as much, mostly in calls that each give up Python's lock: a reader that a busy engine and its
+    clients keep waiting for that lock at every call (a slot's ninety-odd tensors) took ten times its
+    own time on two cores. The bytes are those written, from a slot in memory: nothing to check more."""
+    import hashlib
+
+    from safetensors.torch import load
+
+    from vlamux.errors import CorruptCheckpointError
+
+    data = Path(path).read_bytes()
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise CorruptCheckpointError(f"{path}: a spooled slot whose bytes are not those written")
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8:8 + n]).get("__metadata__", {})
+    return ParkedSlot(meta["tenant"], meta["backbone_id"], load(data), {**meta, "accumulated": "0"})
 
 
 def read_stored(path: str | Path) -> ParkedSlot:

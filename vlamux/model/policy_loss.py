@@ -21,6 +21,7 @@ from torch import Tensor
 from vlamux.errors import InvalidInputError
 from vlamux.model.batch import check_float_tensor
 from vlamux.model.device import to_device
+from vlamux.model.heads.flow_sde import RL_SAMPLED
 
 
 @dataclass
@@ -35,11 +36,16 @@ class PolicyLoss:
     max_is_weight: float = 2.0  # truncation of pi_prox / pi_behav (variance bound)
     value_coef: float = 0.5
     entropy_coef: float = 0.0
+    # what the rollout's sample kept for the update besides the actions, per row ([B, ...]): a flow
+    # policy's denoising chain (RL_SAMPLED); None for heads that score the actions alone
+    sampled: dict[str, Tensor] | None = None
 
     def to(self, device) -> PolicyLoss:
         """The same objective with its tensors on `device` (the host checks them first: `check`)."""
         moved = {k: None if getattr(self, k) is None else to_device(getattr(self, k), device, torch.float32)
                  for k in ("behaviour_log_prob", "advantages", "returns", "proximal_log_prob")}
+        if self.sampled is not None:
+            moved["sampled"] = {k: to_device(v, device) for k, v in self.sampled.items()}
         return dataclasses.replace(self, **moved)
 
     def check(self, batch: int) -> None:
@@ -50,6 +56,32 @@ class PolicyLoss:
         for name in ("clip_eps", "max_is_weight"):
             if not getattr(self, name) > 0:
                 raise InvalidInputError(f"loss.{name}: must be > 0, got {getattr(self, name)}")
+        if self.sampled is not None:
+            check_chain(self.sampled, batch)
+
+
+def check_chain(sampled, batch: int) -> None:
+    """A flow rollout's kept sample (RL_SAMPLED), checked on the host before any of it reaches a device:
+    its step indices index the chain (a gather out of range would fault a GPU), its stds are positive."""
+    if not isinstance(sampled, dict) or set(sampled) != set(RL_SAMPLED):
+        got = sorted(sampled) if isinstance(sampled, dict) else type(sampled).__name__
+        raise InvalidInputError(f"loss.sampled: expected the tensors {list(RL_SAMPLED)}, got {got}")
+    chain, steps, std = (sampled[k] for k in RL_SAMPLED)
+    check_float_tensor("loss.sampled.chain", chain, (batch, None, None, None))
+    if chain.shape[1] < 2:
+        raise InvalidInputError(f"loss.sampled.chain: a chain of at least two states [B, K+1, H, A], got "
+                                f"{list(chain.shape)}")
+    if not isinstance(steps, Tensor) or steps.dtype not in (torch.int32, torch.int64) or steps.dim() != 2 \
+            or steps.shape[0] != batch:
+        raise InvalidInputError(f"loss.sampled.chain_steps: expected an integer tensor [{batch}, m], got "
+                                f"{getattr(steps, 'dtype', type(steps).__name__)} {list(getattr(steps, 'shape', []))}")
+    if steps.numel() and (int(steps.min()) < 0 or int(steps.max()) >= chain.shape[1] - 1):
+        raise InvalidInputError(f"loss.sampled.chain_steps: each must index a step of the chain, 0.."
+                                f"{chain.shape[1] - 2}; got {int(steps.min())}..{int(steps.max())}")
+    check_float_tensor("loss.sampled.chain_std", std, tuple(steps.shape))
+    if steps.numel() and not bool((std > 0).all()):
+        raise InvalidInputError("loss.sampled.chain_std: every stochastic step's std must be > 0 "
+                                "(a noise level of 0 leaves nothing to score)")
 
 
 def policy_objective(log_prob: Tensor, entropy: Tensor, value: Tensor | None, spec: PolicyLoss

@@ -19,7 +19,6 @@ from torch import Tensor
 from vlamux.errors import IncompatibleError, InvalidInputError, NonFiniteError
 from vlamux.model.adapters import LoRAAdapter, select_targets
 from vlamux.model.queries import QueryTokens
-from vlamux.model.batch import check_float_tensor
 from vlamux.model.device import copy_into, to_cpu, to_device
 from vlamux.model.feature import FeatureMeta, VLAFeature
 from vlamux.model.heads import ActionHead, HeadSpec, build_head
@@ -29,7 +28,7 @@ from vlamux.model.policy_loss import PolicyLoss, policy_objective
 from vlamux.model import slot_file
 from vlamux.model.slot_file import MODULE_PREFIXES
 from vlamux.specs import Bound, bounded, check
-from vlamux.model.slot_inputs import FBInputs, PendingGrads, RowInputs
+from vlamux.model.slot_inputs import FBInputs, PendingGrads, RowInputs, check_rows
 from vlamux.model.snapshot import PolicySnapshot
 from vlamux.utils.seeding import seeded
 
@@ -189,32 +188,10 @@ class Slot:
         """A request's per-row inputs for this tenant's head, checked on the host (checking a device
         tensor would wait for the device): the state (None where the head reads none), and for a
         forward_backward (`train`) the actions, the step mask (all steps by default) and the RL objective."""
-        s = self.head_spec.state_dim
-        if s == 0:
-            state = None  # this head reads no proprio state; ignore what the observation carries
-        elif state is None:
-            raise InvalidInputError(f"state: the head of tenant {self.tenant!r} needs a proprio state [B, {s}]")
-        else:
-            check_float_tensor("state", state, (batch, s))
-        if not train:
-            return RowInputs(state)
-        if self.optimizer is None:
+        if train and self.optimizer is None:
             raise InvalidInputError(f"tenant {self.tenant!r}: this slot is a serving copy (no optimizer); "
                                     f"forward_backward runs on the training service")
-        h, a = self.head_spec.horizon, self.head_spec.action_dim
-        check_float_tensor("actions", actions, (batch, h, a))
-        if action_mask is None:
-            action_mask = torch.ones(batch, h, dtype=torch.bool)
-        elif not isinstance(action_mask, Tensor) or action_mask.dtype != torch.bool \
-                or tuple(action_mask.shape) != (batch, h):
-            got = f"{action_mask.dtype} {list(action_mask.shape)}" if isinstance(action_mask, Tensor) \
-                else type(action_mask).__name__
-            raise InvalidInputError(f"action_mask: expected a bool tensor [{batch}, {h}], got {got}")
-        if not action_mask.any():
-            raise InvalidInputError("action_mask: no valid step in the batch")
-        if loss is not None:
-            loss.check(batch)
-        return RowInputs(state, actions, action_mask, loss)
+        return check_rows(self.tenant, self.head_spec, self.head, batch, state, actions, action_mask, loss, train)
 
     def _check_feature(self, feature: VLAFeature) -> VLAFeature:
         if feature.meta.backbone_id != self.backbone_id:
@@ -239,9 +216,15 @@ class Slot:
     def sample_inputs(self, feature: VLAFeature, rows: RowInputs) -> tuple[VLAFeature, Tensor | None]:
         return self._check_feature(feature), self._normal_state(rows)
 
-    def draw(self, purpose: str, batch: int, deterministic: bool = False) -> dict[str, Tensor]:
-        """This call's random draws from the tenant's generator, on the slot's device."""
-        return host_noise(self.head.draw(purpose, batch, self.generator, deterministic), self.device)
+    def draw(self, purpose: str, batch: int, deterministic: bool = False, explore=None) -> dict[str, Tensor]:
+        """This call's random draws from the tenant's generator, on the slot's device. `explore`: a
+        `FlowExploration` (a flow policy sampling for RL)."""
+        if explore is None:
+            return host_noise(self.head.draw(purpose, batch, self.generator, deterministic), self.device)
+        if not getattr(self.head, "EXPLORES", False):
+            raise InvalidInputError(f"explore: the {self.head_spec.kind} head of tenant {self.tenant!r} samples "
+                                    f"for RL as it is; flow exploration is for flow heads")
+        return host_noise(self.head.draw(purpose, batch, self.generator, deterministic, explore=explore), self.device)
 
     # ---- operations ---------------------------------------------------------------------------
     def objective(self, x: FBInputs, head_out) -> tuple[Tensor, dict, dict]:
@@ -257,7 +240,7 @@ class Slot:
     def head_forward(self, x: FBInputs, noise: dict):
         if x.loss is None:
             return self.head.loss(x.feature, x.state, x.actions, x.mask, noise=noise)
-        return self.head.evaluate(x.feature, x.state, x.actions, x.mask)
+        return self.head.evaluate(x.feature, x.state, x.actions, x.mask, sampled=x.loss.sampled)
 
     def compute(self, x: FBInputs, noise: dict | None = None) -> PendingGrads:
         """This tenant's gradients on `x`, not applied (see `PendingGrads`); nothing waits for the device.
@@ -351,20 +334,21 @@ class Slot:
         out["policy_version"] = self.version
         return out
 
-    def sample(self, feature: VLAFeature, state: Tensor | None, deterministic: bool = False) -> dict:
+    def sample(self, feature: VLAFeature, state: Tensor | None, deterministic: bool = False, explore=None) -> dict:
         """An action chunk in the tenant's own units, stamped with the policy version (device tensors)."""
-        return self.sample_rows(feature, self.check_rows(feature.batch_size, state), deterministic)
+        return self.sample_rows(feature, self.check_rows(feature.batch_size, state), deterministic, explore=explore)
 
     @torch.no_grad()
     def sample_rows(self, feature: VLAFeature, rows: RowInputs, deterministic: bool = False,
-                    noise: dict | None = None) -> dict:
+                    noise: dict | None = None, explore=None) -> dict:
         """`sample` on checked rows (`check_rows`); `noise`: the call's draws as given (a caller that fixes
-        them, e.g. to compare with a reference), else drawn from the tenant's generator."""
+        them, e.g. to compare with a reference), else drawn from the tenant's generator (`explore`: a
+        flow policy's exploration for RL)."""
         feature, state_n = self.sample_inputs(feature, rows)
         rng = self.generator.get_state()
         try:
             noise = host_noise(noise, self.device) if noise is not None else \
-                self.draw("sample", feature.batch_size, deterministic)
+                self.draw("sample", feature.batch_size, deterministic, explore)
             return self.finish_sample(self.head.sample(feature, state_n, deterministic=deterministic, noise=noise))
         except BaseException:
             self.generator.set_state(rng)

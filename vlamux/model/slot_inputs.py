@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
+from vlamux.errors import InvalidInputError
+from vlamux.model.batch import check_float_tensor
 from vlamux.model.device import to_device
 from vlamux.model.feature import VLAFeature
 from vlamux.model.policy_loss import PolicyLoss
@@ -49,3 +52,44 @@ class FBInputs:
     actions: Tensor
     mask: Tensor
     loss: PolicyLoss | None
+
+
+def check_rows(tenant: str, head_spec, head, batch: int, state: Tensor | None, actions: Tensor | None = None,
+               action_mask: Tensor | None = None, loss: PolicyLoss | None = None, train: bool = False) -> RowInputs:
+    """`Slot.check_rows`: a request's per-row inputs for `tenant`'s head, checked on the host."""
+    s = head_spec.state_dim
+    if s == 0:
+        state = None  # this head reads no proprio state; ignore what the observation carries
+    elif state is None:
+        raise InvalidInputError(f"state: the head of tenant {tenant!r} needs a proprio state [B, {s}]")
+    else:
+        check_float_tensor("state", state, (batch, s))
+    if not train:
+        return RowInputs(state)
+    h, a = head_spec.horizon, head_spec.action_dim
+    check_float_tensor("actions", actions, (batch, h, a))
+    if action_mask is None:
+        action_mask = torch.ones(batch, h, dtype=torch.bool)
+    elif not isinstance(action_mask, Tensor) or action_mask.dtype != torch.bool \
+            or tuple(action_mask.shape) != (batch, h):
+        got = f"{action_mask.dtype} {list(action_mask.shape)}" if isinstance(action_mask, Tensor) \
+            else type(action_mask).__name__
+        raise InvalidInputError(f"action_mask: expected a bool tensor [{batch}, {h}], got {got}")
+    if not action_mask.any():
+        raise InvalidInputError("action_mask: no valid step in the batch")
+    if loss is not None:
+        loss.check(batch)
+        if loss.sampled is not None:
+            _check_chain(tenant, head_spec, head, loss.sampled["chain"])
+    return RowInputs(state, actions, action_mask, loss)
+
+
+def _check_chain(tenant: str, head_spec, head, chain: Tensor) -> None:
+    if not getattr(head, "EXPLORES", False):
+        raise InvalidInputError(f"loss.sampled: the {head_spec.kind} head of tenant {tenant!r} scores its actions "
+                                f"alone; a denoising chain is for a flow head")
+    want = head.chain_shape()
+    if tuple(chain.shape[1:]) != want:
+        raise InvalidInputError(f"loss.sampled.chain: tenant {tenant!r}'s head samples chains of "
+                                f"[B, {', '.join(map(str, want))}] (steps + 1, horizon, action dims), got "
+                                f"{list(chain.shape)}")

@@ -90,8 +90,9 @@ class Runtime(Protocol):
 
     # serving
     def predict(self, tenant: str, obs: Observation, deterministic: bool = False,
-                deadline_s: float | None = None) -> Future:
-        """{"actions", "policy_version"} from a live replica, re-routed if one fails."""
+                deadline_s: float | None = None, explore=None) -> Future:
+        """{"actions", "policy_version"} from a live replica, re-routed if one fails. `explore`: a
+        `FlowExploration` (a flow policy sampling for RL; the sample carries its chain)."""
     def serve(self, snap: PolicySnapshot, timeout_s: float = 30.0) -> None:
         """Serve a policy no slot holds (a stored checkpoint); on every replica on return."""
     def retire(self, tenant: str, timeout_s: float = 30.0) -> None:

@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 class _Predict:
     obs: Observation
     deterministic: bool
+    explore: object = None  # a FlowExploration
 
 
 class InferenceModelService(EngineLoop):
@@ -140,11 +141,11 @@ class InferenceModelService(EngineLoop):
 
     # ---- data plane -------------------------------------------------------------------------------
     def predict(self, tenant: str, obs: Observation, deterministic: bool = False,
-                deadline_s: float | None = None) -> Future:
+                deadline_s: float | None = None, explore=None) -> Future:
         """An action chunk for each observation: a future of {"actions": [B, H, A], "policy_version"}."""
         if not self.serves(tenant):
             raise UnknownTenantError(f"{self.name} has no policy for tenant {tenant!r}")
-        future = self.queue.submit(tenant, obs.batch_size, _Predict(obs, deterministic), deadline_s)
+        future = self.queue.submit(tenant, obs.batch_size, _Predict(obs, deterministic, explore), deadline_s)
         if self.tiers is not None:
             self.tiers.want(tenant)  # a slot below resident starts coming up while the current group runs
         return future
@@ -176,7 +177,8 @@ class InferenceModelService(EngineLoop):
 
     def _serve(self, group) -> int:
         t0 = time.perf_counter()
-        reqs = [Sample(item.tenant, item.payload.obs, item.payload.deterministic) for item in group]
+        reqs = [Sample(item.tenant, item.payload.obs, item.payload.deterministic, explore=item.payload.explore)
+                for item in group]
         results = self.runner.execute(reqs)
         self.accounting.busy(time.perf_counter() - t0)
         for item, res in zip(group, results):

@@ -83,13 +83,15 @@ class InferenceActor(ServiceActor):
     def stage_policy(self, snap: PolicySnapshot) -> None:
         self.svc.stage_policy(snap)
 
-    async def predict(self, tenant: str, obs, deterministic: bool = False, deadline_s: float | None = None) -> dict:
+    async def predict(self, tenant: str, obs, deterministic: bool = False, deadline_s: float | None = None,
+                      explore=None) -> dict:
         """Async, so every request enters the Inference Queue at once: its fair scheduler, not Ray's
         first-come mailbox, decides the order (a blocking method would leave requests queued in Ray
         behind whichever tenant sent the most)."""
         if isinstance(obs, dict):  # an environment observation, as the Environment actor returns it
             obs = obs_to_observation(obs)
-        return await asyncio.wait_for(asyncio.wrap_future(self.svc.predict(tenant, obs, deterministic, deadline_s)),
+        return await asyncio.wait_for(asyncio.wrap_future(self.svc.predict(tenant, obs, deterministic, deadline_s,
+                                                                                  explore)),
                                       CALL_TIMEOUT_S)
 
     def policy_version(self, tenant: str) -> int | None:

@@ -407,10 +407,10 @@ class RayRuntime:
         ray.kill(handle, no_restart=True)
 
     def predict(self, tenant: str, obs: Observation | dict | ray.ObjectRef, deterministic: bool = False,
-                deadline_s: float | None = None) -> Future:
+                deadline_s: float | None = None, explore=None) -> Future:
         """A future of {"actions", "policy_version"} (`Router`); `obs` may be an ObjectRef (it travels by
         reference)."""
-        return self.router.predict(tenant, obs, deterministic, deadline_s)
+        return self.router.predict(tenant, obs, deterministic, deadline_s, explore)
 
     def _candidates(self, tenant: str, avoid: frozenset) -> list[str]:
         with self._lock:  # the replicas with the fewest requests outstanding from this driver first
@@ -419,12 +419,13 @@ class RayRuntime:
             # of equal ones the replica sent the fewest requests (a new one takes its share)
             return sorted(names, key=lambda n: (self._outstanding.get(n, 0), self._sent.get(n, 0)))
 
-    def _send(self, name: str, tenant: str, obs, deterministic: bool, deadline_s: float | None) -> Future:
+    def _send(self, name: str, tenant: str, obs, deterministic: bool, deadline_s: float | None,
+              explore=None) -> Future:
         with self._lock:
             handle = self.replicas[name]
             self._outstanding[name] = self._outstanding.get(name, 0) + 1
             self._sent[name] = self._sent.get(name, 0) + 1
-        fut = handle.predict.remote(tenant, obs, deterministic, deadline_s).future()
+        fut = handle.predict.remote(tenant, obs, deterministic, deadline_s, explore).future()
 
         def answered(_) -> None:
             with self._lock:

@@ -25,6 +25,7 @@ class _Attempt:
     obs: object
     deterministic: bool
     deadline_s: float | None
+    explore: object  # a FlowExploration, or None
     tries: int  # replicas it may still be sent to at once, when one goes away
     avoid: frozenset  # replicas it was sent to
     give_up_at: float
@@ -36,7 +37,7 @@ class Router:
                  no_replica: Callable[[str], BaseException], later: Callable[[Callable[[], None], float], None],
                  tries: int = 3, give_up_s: float = 60.0, retry_s: float = 0.2):
         """candidates(tenant, avoid): replica names, best first; send(name, tenant, obs, deterministic,
-        deadline_s): a future of the replica's answer (it may also raise); gone: the errors that say a
+        deadline_s, explore): a future of the replica's answer (it may also raise); gone: the errors that say a
         replica went away; known(tenant): whether the runtime has a policy for it; no_replica(tenant):
         the error when no replica is there; later(fn, delay_s): run `fn` off the caller's thread (a
         transport's callbacks must not block)."""
@@ -44,9 +45,10 @@ class Router:
         self.no_replica, self.later = no_replica, later
         self.tries, self.give_up_s, self.retry_s = tries, give_up_s, retry_s
 
-    def predict(self, tenant: str, obs, deterministic: bool = False, deadline_s: float | None = None) -> Future:
+    def predict(self, tenant: str, obs, deterministic: bool = False, deadline_s: float | None = None,
+                explore=None) -> Future:
         out: Future = Future()
-        self._route(out, _Attempt(tenant, obs, deterministic, deadline_s, self.tries, frozenset(),
+        self._route(out, _Attempt(tenant, obs, deterministic, deadline_s, explore, self.tries, frozenset(),
                                   time.monotonic() + self.give_up_s))
         return out
 
@@ -62,7 +64,7 @@ class Router:
             return
         name = names[0]
         try:
-            inner = self.send(name, a.tenant, a.obs, a.deterministic, a.deadline_s)
+            inner = self.send(name, a.tenant, a.obs, a.deterministic, a.deadline_s, a.explore)
         except Exception as e:  # noqa: BLE001 - decided below, as an answer's error is
             self._failed(out, a, name, e)
             return

@@ -450,9 +450,9 @@ class EmbeddedRuntime:
         svc.stop()
 
     def predict(self, tenant: str, obs: Observation, deterministic: bool = False,
-                deadline_s: float | None = None) -> Future:
+                deadline_s: float | None = None, explore=None) -> Future:
         """A future of {"actions", "policy_version"} from the least loaded live replica (`Router`)."""
-        return self.router.predict(tenant, obs, deterministic, deadline_s)
+        return self.router.predict(tenant, obs, deterministic, deadline_s, explore)
 
     def _candidates(self, tenant: str, avoid: frozenset) -> list[str]:
         with self._lock:
@@ -461,14 +461,15 @@ class EmbeddedRuntime:
         # the shortest queue; of equal ones the replica sent the fewest requests (a new one takes its share)
         return [n for n, _ in sorted(fresh, key=lambda x: (x[1].queue.depth()[1], self._sent.get(x[0], 0)))]
 
-    def _send(self, name: str, tenant: str, obs, deterministic: bool, deadline_s: float | None) -> Future:
+    def _send(self, name: str, tenant: str, obs, deterministic: bool, deadline_s: float | None,
+              explore=None) -> Future:
         with self._lock:
             svc = self.replicas.get(name)
         if svc is None:
             raise QueueClosed(f"inference replica {name!r} was removed")
         with self._lock:
             self._sent[name] = self._sent.get(name, 0) + 1
-        return svc.predict(tenant, obs, deterministic, deadline_s)
+        return svc.predict(tenant, obs, deterministic, deadline_s, explore)
 
     def _no_replica(self, tenant: str) -> Exception:
         if not self.book.serves(tenant):

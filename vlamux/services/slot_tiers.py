@@ -28,7 +28,7 @@ from typing import Callable
 
 from vlamux.errors import InvalidInputError
 from vlamux.model import ModelRunner, Slot
-from vlamux.model.parking import ParkedSlot, park, read_stored, shell_key, store, unpark
+from vlamux.model.parking import ParkedSlot, park, shell_key, spool, unpark, unspool
 from vlamux.model.slot_file import MODULE_PREFIXES
 from vlamux.model.snapshot import PolicySnapshot
 from vlamux.services.pager import PagePlan, Pager, SlotBudget
@@ -73,6 +73,12 @@ class SlotTiers:
         self._reading: dict[str, Future] = {}  # stored slots being read back
         self._reading_lock = threading.Lock()  # `want` starts reads from request threads
         self._from_disk: set[str] = set()  # parked slots that were read back, not loaded yet
+        # a load from disk in two parts: its read (queued and read on a reader thread), then from the
+        # read's end to resident (the mover's turn and copy)
+        self.read_s: deque[float] = deque(maxlen=4096)
+        self.pickup_s: deque[float] = deque(maxlen=4096)
+        self._read_times: dict[str, list[float]] = {}  # tenant -> [read started, read done]
+        self._digests: dict[str, str] = {}  # stored tenant -> its spool file's sha256 (`unspool` checks it)
         # slot objects of serving slots just parked, by kind: a load of the same kind copies into one
         # instead of building a head's modules anew (SHELLS at most of each kind; their bytes are
         # counted in `metrics`, outside the budget). The mover's alone.
@@ -131,9 +137,11 @@ class SlotTiers:
             self.parked.pop(tenant, None)
             self.versions.pop(tenant, None)
             self._left.pop(tenant, None)
+            self._digests.pop(tenant, None)
             self._from_disk.discard(tenant)
             with self._reading_lock:
                 reading = self._reading.pop(tenant, None)
+                self._read_times.pop(tenant, None)
             if reading is not None:
                 reading.cancel()
             if self._spool is not None:
@@ -261,13 +269,14 @@ class SlotTiers:
     def _store(self, t: str, parked: ParkedSlot) -> None:
         """On the writer thread: `parked` to disk; it leaves host memory if it is still what is parked."""
         try:
-            store(parked, self._path(t), durable=False)  # scratch: a restart never reads it
+            digest = spool(parked, self._path(t))  # scratch: a restart never reads it
         except OSError:  # a full disk: it stays parked, over the host budget; the loads go on
             log.exception("%s: storing tenant %r's slot failed; it stays in host memory", self.name, t)
         else:
             with self.lock:
                 if self.parked.get(t) is parked and self._here(t, "parked"):
                     del self.parked[t]
+                    self._digests[t] = digest
                     self.pager.moved(t, "stored")
                     self.moves["store"] += 1
                 else:  # loaded, retired or served afresh while it was written
@@ -299,6 +308,11 @@ class SlotTiers:
         self.pager.moved(t, "resident", nbytes=slot_nbytes(slot))
         self.loads_by_tier["stored" if t in self._from_disk else "parked"] += 1
         self._from_disk.discard(t)
+        with self._reading_lock:
+            times = self._read_times.pop(t, None)
+        if times is not None and len(times) == 2:
+            self.read_s.append(times[1] - times[0])
+            self.pickup_s.append(time.monotonic() - times[1])
         left = self._left.pop(t, 0.0)
         if t in waiting:
             self.load_s.append(time.monotonic() - max(waiting[t], left))
@@ -341,6 +355,7 @@ class SlotTiers:
                     self.retire(t)
                     continue
                 self._path(t).unlink(missing_ok=True)  # parked now: the file was its only use
+                self._digests.pop(t, None)
                 self._from_disk.add(t)
                 self.pager.moved(t, "parked")
                 self.moves["read"] += 1
@@ -349,12 +364,19 @@ class SlotTiers:
     def _start_read(self, tenant: str) -> None:
         with self._reading_lock:
             if tenant not in self._reading:
+                self._read_times[tenant] = [time.monotonic()]
                 self._reading[tenant] = self._io("reader").submit(self._read, tenant)
 
     def _read(self, tenant: str) -> ParkedSlot:
         try:
-            return read_stored(self._path(tenant))
+            with self.lock:
+                digest = self._digests.get(tenant)
+            if digest is None:
+                raise FileNotFoundError(f"{self.name}: tenant {tenant!r} has no stored slot here")
+            return unspool(self._path(tenant), digest)
         finally:
+            with self._reading_lock:
+                self._read_times.get(tenant, []).append(time.monotonic())
             self._kick.set()  # the mover makes it resident at once, not at its next look
 
     def _io(self, kind: str) -> ThreadPoolExecutor:
@@ -374,8 +396,9 @@ class SlotTiers:
         shells = [s for kind in list(self._shells.values()) for s in list(kind)]  # the mover changes them
         return {**self.pager.usage(), "moves": dict(self.moves), "loads_from": dict(self.loads_by_tier),
                 "shells": {"count": len(shells), "bytes": sum(slot_nbytes(s) for s in shells)},
-                "load_wait_s": {"p50": quantile(self.load_s, 0.5), "p99": quantile(self.load_s, 0.99),
-                                "n": len(self.load_s)},
+                **{name: {"p50": quantile(xs, 0.5), "p99": quantile(xs, 0.99), "n": len(xs)}
+                   for name, xs in (("load_wait_s", self.load_s), ("read_s", self.read_s),
+                                    ("pickup_s", self.pickup_s))},
                 "budget": {"resident_bytes": budget.resident_bytes, "parked_bytes": budget.parked_bytes}}
 
     def close(self) -> None:

@@ -35,6 +35,7 @@ import torch
 from vlamux.envs import EnvSpec
 from vlamux.errors import VlamuxError
 from vlamux.model.device import to_numpy
+from vlamux.model.heads.flow_sde import RL_SAMPLED, FlowExploration
 from vlamux.model.batch import Observation
 from vlamux.model.policy_loss import PolicyLoss
 from vlamux.model.batch import obs_to_observation
@@ -82,6 +83,9 @@ class RLConfig:
     lr: float | None = bounded(None, 0.0, 10.0, lo_open=True)
     fresh_optimizer: bool = True  # with lr set: RL starts with fresh Adam moments. A converged SFT phase
     # leaves tiny second moments, which would scale the first policy-gradient steps up many times
+    # a flow head's RL (Flow-SDE): its chain's noise level and stochastic steps; a job on a flow head
+    # gets the defaults when it gives none
+    flow: FlowExploration | None = None
 
     def __post_init__(self):
         check(self)
@@ -144,7 +148,8 @@ class Sampler:
                 self.stats.lane_busy_s[lane] += time.perf_counter() - t0
 
     def _predict(self, obs: dict) -> dict:
-        fut = self.services.predict(self.tenant, obs_to_observation(obs), deterministic=self.cfg.deterministic)
+        fut = self.services.predict(self.tenant, obs_to_observation(obs), deterministic=self.cfg.deterministic,
+                                    explore=self.cfg.flow)
         return self._timed("inference", fut.result, self.cfg.timeout_s)
 
     def _reset(self, indices=None, seed=None) -> dict:
@@ -202,7 +207,10 @@ class Sampler:
                 obs = replace_rows(obs, finished, self._reset(finished.tolist()))
             self.obs = obs
             self.pending = self._predict(obs)
-        seg.last_value.copy_(self.pending["value"])
+        if "value" in self.pending:
+            seg.last_value.copy_(self.pending["value"])
+        else:  # no critic (GRPO)
+            seg.last_value.zero_()
         seg.source = f"sub-batch {self.index}"
 
 
@@ -223,6 +231,10 @@ class Learner:
         if not parts:
             return
         obs_of = [(seg, rows) for seg, rows, *_ in parts]
+        sampled = None
+        if parts[0][0].sampled:  # a flow policy's chains, kept by its rollout: what its update scores
+            sampled = {k: torch.cat([gather(seg.sampled[k].flatten(0, 1), rows, seg.pinned)
+                                     for seg, rows, *_ in parts]) for k in RL_SAMPLED}
         actions = torch.cat([a for _, _, a, _, _, _, _ in parts])
         behaviour = torch.cat([b for *_, b, _, _, _ in parts])
         adv = torch.cat([a for *_, a, _, _ in parts])
@@ -244,7 +256,8 @@ class Learner:
                 loss = PolicyLoss(behaviour[mb], adv[mb], None if returns is None else returns[mb],
                                   proximal_log_prob=proximal[mb] if epoch else None, clip_eps=cfg.clip_eps,
                                   max_is_weight=cfg.max_is_weight, value_coef=cfg.value_coef,
-                                  entropy_coef=cfg.entropy_coef)
+                                  entropy_coef=cfg.entropy_coef,
+                                  sampled=None if sampled is None else {k: gather(v, mb) for k, v in sampled.items()})
                 futures.append((mb, self.services.forward_backward(
                     self.tenant, _observations(obs_of, mb), gather(actions, mb), mask.expand(len(mb), -1).clone(),
                     # the queue's staleness guard is for the data's age, not for this update's own passes

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vlamux.errors import VlamuxError
 from vlamux.model.batch import Observation
+from vlamux.model.heads.flow_sde import RL_SAMPLED
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,8 @@ class Segment:
         self.valid = empty(t, n, dtype=torch.bool)
         self.version = empty(t, n, dtype=torch.int64)
         self.last_value = empty(n)
+        # a flow policy's chains (RL_SAMPLED), [T, n, ...]: made at the first sample that carries them
+        self.sampled: dict[str, torch.Tensor] = {}
         self.instruction: list[str] = [""] * n
         self.group: np.ndarray | None = None  # GRPO: group id per env
         self.source = ""  # which sub-batch filled it
@@ -65,8 +69,20 @@ class Segment:
             self.images[c][t].copy_(torch.from_numpy(np.asarray(img)))
         self.state[t].copy_(torch.from_numpy(np.asarray(obs["state"], dtype=np.float32)))
         self.actions[t].copy_(out["actions"])
+        if "step_log_prob" not in out:
+            raise VlamuxError("the policy's sample has no log-probability, so RL cannot train it: a flow head "
+                              "samples with one only when exploring (an RL job's rl.flow)")
         self.log_prob[t].copy_(out["step_log_prob"][:, :executed].sum(-1))
-        self.value[t].copy_(out["value"])
+        if "value" in out:
+            self.value[t].copy_(out["value"])
+        else:  # a policy without a critic (GRPO)
+            self.value[t].zero_()
+        for k in RL_SAMPLED:
+            if k in out:
+                if k not in self.sampled:
+                    self.sampled[k] = torch.empty(self.shape.steps, *out[k].shape, dtype=out[k].dtype,
+                                                  pin_memory=self.pinned)
+                self.sampled[k][t].copy_(out[k])
         self.version[t].fill_(int(out["policy_version"]))
         self.instruction = list(obs["instruction"])
 

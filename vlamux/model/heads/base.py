@@ -122,6 +122,7 @@ class ActionHead(nn.Module):
     INIT_OPTIONS: ClassVar[tuple] = ()  # options read only at initialisation: heads differing only there fuse
     ACTION_NORM: ClassVar[str] = "mean_std"  # how the slot normalises actions for this head
     HAS_VALUE: ClassVar[bool] = False
+    EXPLORES: ClassVar[bool] = False  # samples with a FlowExploration (`draw(explore=)`): a flow policy's RL
 
     @classmethod
     def check_options(cls, options: dict) -> None:
@@ -202,9 +203,10 @@ class ActionHead(nn.Module):
         """{"actions": normalised [..., B, H, A], ...head-specific extras such as step_log_prob, value}."""
         raise NotImplementedError
 
-    def evaluate(self, feature: VLAFeature, state: Tensor | None, actions: Tensor, action_mask: Tensor
-                 ) -> tuple[Tensor, Tensor, Tensor | None]:
+    def evaluate(self, feature: VLAFeature, state: Tensor | None, actions: Tensor, action_mask: Tensor,
+                 sampled: dict[str, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor | None]:
         """For RL: log-prob [..., B] and entropy [..., B] of normalised `actions` over the masked steps,
-        value [..., B]."""
+        value [..., B]. `sampled`: what the rollout's sample kept for the update besides the actions
+        (`RL_SAMPLED`: a flow policy's chain), per row."""
         raise InvalidInputError(f"head kind {self.kind!r} has no action log-probability, so it cannot be trained "
                                 f"with RL; use a gaussian or bins head")

@@ -81,7 +81,7 @@ class BinsHead(ActionHead):
         return {"actions": self.from_bins(idx), "bins": idx, "log_prob": steps.sum(-1), "step_log_prob": steps,
                 "value": value}
 
-    def evaluate(self, feature, state, actions, action_mask):
+    def evaluate(self, feature, state, actions, action_mask, sampled=None):
         logits, value = self.logits(feature, state)
         return (self.log_prob(logits, self.to_bins(actions), action_mask), self.entropy(logits, action_mask),
                 value)

@@ -72,6 +72,6 @@ class GaussianHead(ActionHead):
         steps = self.step_log_prob(mean, log_std, actions)
         return {"actions": actions, "log_prob": steps.sum(-1), "step_log_prob": steps, "value": value}
 
-    def evaluate(self, feature, state, actions, action_mask):
+    def evaluate(self, feature, state, actions, action_mask, sampled=None):
         mean, log_std, value = self.distribution(feature, state)
         return self.log_prob(mean, log_std, actions, action_mask), self.entropy(log_std, action_mask), value

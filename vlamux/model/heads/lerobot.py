@@ -180,6 +180,6 @@ class LeRobotHead(nn.Module):
             x = flow_sample(self.expert, kv, x, self._state(state), self.steps)
         return {"actions": x[..., :self.spec.action_dim]}
 
-    def evaluate(self, feature, state, actions, action_mask):
+    def evaluate(self, feature, state, actions, action_mask, sampled=None):
         raise InvalidInputError("head kind 'lerobot' has no action log-probability yet: RL on imported flow experts "
                                 "is not available (SFT, evaluation and serving are)")
