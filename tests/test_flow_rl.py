@@ -239,5 +239,75 @@ def test_flow_rl_job_specs_are_checked_at_submission():
         load_spec({**base, "head": FLOW, "rl": {**base["rl"], "algorithm": "grpo", "flow": {"noise_level": 0}}})
     with pytest.raises(JobSpecError, match=r"rl.flow.noise_level: must be a number in \[0, 2\]"):
         load_spec({**base, "head": FLOW, "rl": {**base["rl"], "flow": {"noise_level": 3}}})
-    with pytest.raises(JobSpecError, match="rl.flow: for a flow head; this head is 'gaussian'"):
+    imported = {**base, "init_from": str(FIX_DIR / "pi0"), "rl": {**base["rl"], "algorithm": "grpo"}}
+    assert load_spec(imported).rl.flow == FlowExploration()  # an imported expert reinforced by GRPO
+    with pytest.raises(JobSpecError, match="an imported expert has none; use algorithm grpo"):
+        load_spec({**imported, "rl": base["rl"]})
+    with pytest.raises(JobSpecError, match="rl.flow: for a flow head or an imported expert; this head is 'gaussian'"):
         load_spec({**base, "head": {**FLOW, "kind": "gaussian", "options": {}}, "rl": {**base["rl"], "flow": {}}})
+
+
+# ---- imported experts (lerobot's convention: the noise at t = 1, the actions at t = 0) ---------------------
+@pytest.mark.parametrize("family", ["smolvla", "pi0", "pi05"])
+def test_an_imported_experts_chain_is_scored_in_lerobots_own_times(family, tmp_path):
+    """An imported expert explores by the same SDE, its times mapped from lerobot's: at noise level 0
+    from lerobot's reference noise it gives lerobot's reference actions; the update's log-prob of a
+    sampled chain equals the step Gaussians written in lerobot's variables (s = 1 - t, u = noise -
+    actions); a GRPO update on the chain changes the tenant and not its neighbour."""
+    from test_vla_tenants import observation, other_expert, reference, runner_for
+
+    ref, meta = reference(family)
+    runner = runner_for(family)
+    runner.import_lerobot("a", FIX_DIR / family)
+    runner.import_lerobot("b", other_expert(tmp_path, family))
+    obs = observation(ref, meta, "batch0")
+    b = obs.batch_size
+    [r] = runner.execute([Sample("a", obs, noise=ref["batch0.noise"], explore=FlowExploration(0.0))])
+    assert (r.unwrap()["actions"] - ref["batch0.action"]).abs().max() <= 1e-4
+
+    level, head = 0.6, runner.slot("a").head
+    out = runner.execute([Sample("a", obs, explore=FlowExploration(level))])[0].unwrap()
+    chain, dims, k_steps = out["chain"], head.spec.action_dim, head.steps
+    assert chain.shape[1:] == head.chain_shape() and (out["chain_steps"] == torch.arange(k_steps)).all()
+    # the step Gaussians apart, in lerobot's variables, with the expert's velocity on the update's own prefix
+    # (its keys and values, caught on their way in): the update's log-prob must equal their sum
+    captured = {}
+    real = head.expert.velocity
+
+    def spy(kv, x, t, st):
+        captured.update(kv=kv, st=st)
+        return real(kv, x, t, st)
+
+    head.expert.velocity = spy
+    try:
+        loss = PolicyLoss(out["step_log_prob"][:, :4].sum(-1), torch.ones(b), sampled={k: out[k] for k in RL_SAMPLED})
+        mask = torch.zeros(b, chain.shape[2], dtype=torch.bool)
+        mask[:, :4] = True
+        [fb] = runner.execute([ForwardBackward("a", obs, out["actions"], mask, loss=loss)])
+    finally:
+        head.expert.velocity = real
+    with torch.no_grad():
+        want = torch.zeros(b, chain.shape[2])
+        for k in range(k_steps):
+            s = 1.0 - k / k_steps  # lerobot's time of this step
+            s_sigma = min(s, 1.0 - 1.0 / k_steps)
+            sigma = level * math.sqrt(s_sigma / (1.0 - s_sigma))
+            x = chain[:, k]
+            u = real(captured["kv"], x, torch.full((b,), s), captured["st"]).float()
+            predicted_noise = x + (1.0 - s) * u
+            mean = x - u / k_steps - sigma ** 2 / (2 * k_steps) * predicted_noise / s
+            lp = Normal(mean, sigma * math.sqrt(1.0 / k_steps)).log_prob(chain[:, k + 1])
+            want = want + lp[..., :dims].sum(-1)
+    got = fb.unwrap()["log_prob"]
+    scored = want[:, :4].sum(-1)
+    assert (got - scored).abs().max() <= 1e-4 * max(1.0, scored.abs().max().item()), (got, scored)
+    assert (out["step_log_prob"][:, :4].sum(-1) - scored).abs().max() <= 1e-4 * max(1.0, scored.abs().max().item())
+
+    before_a = {k: v.clone() for k, v in runner.slot("a").policy_tensors().items()}
+    before_b = {k: v.clone() for k, v in runner.slot("b").policy_tensors().items()}
+    runner.optim_step("a").unwrap()
+    assert any(not torch.equal(before_a[k], v) for k, v in runner.slot("a").policy_tensors().items())
+    assert all(torch.equal(before_b[k], v) for k, v in runner.slot("b").policy_tensors().items())
+
+
+FIX_DIR = __import__("pathlib").Path(__file__).parent / "fixtures" / "lerobot_vla"

@@ -104,17 +104,17 @@ class JobSpec:
         from vlamux.model.heads.flow_sde import FlowExploration
 
         kind = self.head.kind if self.head is not None else None
-        if kind == "lerobot":
-            raise JobSpecError("rl: RL on an imported LeRobot expert is not available yet (SFT, evaluation and "
-                               "serving are); a flow head of vlamux's own can be reinforced")
-        if kind != "flow":
+        if kind not in ("flow", "lerobot"):
             if self.rl.flow is not None:
-                raise JobSpecError(f"rl.flow: for a flow head; this head is {kind!r}")
+                raise JobSpecError(f"rl.flow: for a flow head or an imported expert; this head is {kind!r}")
             return
         if self.rl.flow is None:
             self.rl.flow = FlowExploration()
         if not self.rl.flow.noise_level > 0:
             raise JobSpecError("rl.flow.noise_level: RL scores a stochastic chain; it must be > 0")
+        if self.rl.algorithm == "ppo" and kind == "lerobot":
+            raise JobSpecError("rl.algorithm: PPO trains a critic, and an imported expert has none; use "
+                               "algorithm grpo")
         if self.rl.algorithm == "ppo" and not self.head.options.get("critic"):
             raise JobSpecError("rl.algorithm: PPO trains a critic, and this flow head has none; set "
                                "head.options.critic: true, or use algorithm grpo")

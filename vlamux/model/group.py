@@ -42,7 +42,8 @@ class Sample:
     obs: Observation
     deterministic: bool = False
     noise: Tensor | None = None  # a flow head's starting noise [B, H, A'], given instead of drawn
-    explore: FlowExploration | None = None  # a flow policy sampling for RL: its chain stochastic, kept
+    # a flow policy sampling for RL: its chain stochastic (its noise drawn, with a given start too), kept
+    explore: FlowExploration | None = None
 
 
 Request = ForwardBackward | Sample

@@ -347,8 +347,13 @@ class Slot:
         feature, state_n = self.sample_inputs(feature, rows)
         rng = self.generator.get_state()
         try:
-            noise = host_noise(noise, self.device) if noise is not None else \
-                self.draw("sample", feature.batch_size, deterministic, explore)
+            if noise is None:
+                noise = self.draw("sample", feature.batch_size, deterministic, explore)
+            elif explore is not None:  # the starting noise given; the chain's own noise drawn as usual
+                noise = {**self.draw("sample", feature.batch_size, deterministic, explore),
+                         **host_noise(noise, self.device)}
+            else:
+                noise = host_noise(noise, self.device)
             return self.finish_sample(self.head.sample(feature, state_n, deterministic=deterministic, noise=noise))
         except BaseException:
             self.generator.set_state(rng)

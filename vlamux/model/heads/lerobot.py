@@ -1,7 +1,8 @@
 """An imported LeRobot policy's action expert as a tenant's head (kind "lerobot"): SmolVLA's, π0's or
 π0.5's expert (vlamux.model.vla.experts), reading the prefix's per-layer keys and values a LeRobot
 backbone puts in the feature (`VLAFeature.kv`), sampling by lerobot's flow (noise at t = 1 to actions
-at t = 0, ten Euler steps) and trained by its flow-matching loss.
+at t = 0, ten Euler steps) and trained by its flow-matching loss; for RL it explores by Flow-SDE
+(vlamux.model.heads.flow_sde, lerobot's times mapped onto its convention) and is scored on its chain.
 
 The spec's options carry everything that shapes the expert (`expert_dims`) and what the tenant's rows
 need before the shared forward (`prefix_spec`: its cameras, its prompt's length and padding); the slot
@@ -17,6 +18,7 @@ from torch import Tensor, nn
 
 from vlamux.errors import InvalidInputError
 from vlamux.model.heads.base import HeadSpec
+from vlamux.model.heads.flow_sde import chain_log_prob, draw_steps, drawn_log_prob, sample_chain
 from vlamux.model.vla.experts import build_expert
 from vlamux.model.vla.flow import loss as flow_loss
 from vlamux.model.vla.flow import sample as flow_sample
@@ -55,6 +57,7 @@ class LeRobotHead(nn.Module):
     INIT_OPTIONS: tuple = ("lerobot", "cameras", "max_length", "padding", "max_state")
     DEFAULT_OPTIONS: dict = {}  # none a user sets: every option comes from the imported checkpoint
     HAS_VALUE = False
+    EXPLORES = True  # RL by Flow-SDE (vlamux.model.heads.flow_sde), its times mapped from lerobot's
     # fused by torch.func.vmap: on a CPU its per-operation cost outweighs two tenants' own calls (measured
     # with bench/vla_groups.py's shapes: π0 tiny inference, 2 tenants 140 ms fused vs 104 one by one; from 4
     # tenants fusing wins, 201 vs 253 ms); elsewhere from two (on a GPU each tenant's own call is kernel
@@ -129,13 +132,29 @@ class LeRobotHead(nn.Module):
         return feature.kv
 
     # ---- randomness ---------------------------------------------------------------------------------
-    def draw(self, purpose: str, batch: int, generator: torch.Generator, deterministic: bool = False) -> dict:
+    def draw(self, purpose: str, batch: int, generator: torch.Generator, deterministic: bool = False,
+             explore=None) -> dict:
         shape = (batch, int(self.options["chunk"]), int(self.options["action_in"]))
         if purpose == "loss":  # the noise, then the flow time: Beta(1.5, 1) is u^(1/1.5) (its CDF is t^1.5)
             noise = torch.randn(shape, generator=generator)
             u = torch.rand(batch, generator=generator)
             return {"noise": noise, "t": u.pow(1.0 / BETA_ALPHA) * T_SCALE + T_OFFSET}
-        return {"x0": torch.zeros(shape) if deterministic else torch.randn(shape, generator=generator)}
+        if deterministic:
+            return {"x0": torch.zeros(shape)}
+        x0 = {"x0": torch.randn(shape, generator=generator)}
+        if explore is None:
+            return x0
+        return {**x0, **draw_steps(explore, batch, self.steps, shape[1:], generator)}
+
+    def chain_shape(self) -> tuple[int, int, int]:
+        """A sampled chain's shape per row: (steps + 1, chunk, the expert's action width)."""
+        return self.steps + 1, int(self.options["chunk"]), int(self.options["action_in"])
+
+    def _forward_velocity(self, kv, state):
+        """The velocity in flow_sde's convention (t from the noise at 0 to the actions at 1): lerobot's
+        runs from the noise at t = 1, so t -> 1 - t and v -> -v (the same Euler steps)."""
+        st = self._state(state)
+        return lambda x, t: -self._velocity(kv, x, 1.0 - t, st)
 
     # ---- the head's maths -----------------------------------------------------------------------------
     def loss(self, feature, state, actions, action_mask, generator=None, noise=None):
@@ -171,6 +190,12 @@ class LeRobotHead(nn.Module):
         if noise is None:
             noise = self.draw("sample", kv.pad.shape[0], generator, deterministic)
         x = noise["x0"].to(self.step_pos.device, torch.float32)
+        if "std" in noise:  # exploring (RL): the SDE's chain and what the update scores
+            chain = sample_chain(self._forward_velocity(kv, state), x, self.steps, noise["std"], noise["z"])
+            steps = noise["steps"].long()
+            return {"actions": chain[..., -1, :, :self.spec.action_dim], "chain": chain, "chain_steps": steps,
+                    "chain_std": noise["std"].gather(-1, steps),
+                    "step_log_prob": drawn_log_prob(noise["z"], noise["std"], dims=self.spec.action_dim)}
         if self._stacked(kv):  # the flow's Euler steps as flow_sample takes them, each a mapped call
             dt = -1.0 / self.steps
             for k in range(self.steps):
@@ -181,5 +206,13 @@ class LeRobotHead(nn.Module):
         return {"actions": x[..., :self.spec.action_dim]}
 
     def evaluate(self, feature, state, actions, action_mask, sampled=None):
-        raise InvalidInputError("head kind 'lerobot' has no action log-probability yet: RL on imported flow experts "
-                                "is not available (SFT, evaluation and serving are)")
+        """RL (GRPO: an expert has no critic): the log-probability [..., B] of the chain a rollout
+        sampled with exploration, under the current weights, over the masked steps and the policy's
+        action dims (the expert's padded dims are noise no action reads)."""
+        if not sampled or "chain" not in sampled:
+            raise InvalidInputError("head kind 'lerobot': RL scores the denoising chain its rollout sampled; sample "
+                                    "with exploration (an RL job's rl.flow) and train on that sample's chain")
+        log_prob, entropy = chain_log_prob(self._forward_velocity(self._kv(feature), state), sampled["chain"],
+                                           sampled["chain_steps"], sampled["chain_std"], dims=self.spec.action_dim)
+        m = action_mask.to(log_prob.dtype)
+        return (log_prob * m).sum(-1), (entropy * m).sum(-1), None
