@@ -1,7 +1,7 @@
 """The learning experiments of docs/RESULTS.md, as jobs through the Master Service (the real service
 path: a backbone forward every step, the Training and Inference Queues, the Environment Service).
 
-    # SFT (then a short RL phase) on goal/touch-red-cube; its checkpoint is the RL start below
+    # SFT on goal/touch-red-cube, evaluated after; its checkpoint is the RL start below
     python scripts/experiments/sft_then_rl.py sft --dataset data/sft_probe/goal-red-200-32 --steps 2000
     # RL from that checkpoint: GRPO, lr 3e-5, 2 passes, 20k env steps, 100 evaluation episodes
     python scripts/experiments/sft_then_rl.py rl --init runs/exp/sft/checkpoint.safetensors \\
@@ -114,7 +114,8 @@ def main(argv=None) -> int:
     if args.what == "sft":
         spec["sft"] = {"dataset": args.dataset, "steps": args.steps, "batch_size": 64, "lr": 1e-3,
                        "schedule": "cosine", "warmup_steps": 100}
-        spec["rl"] = {**rl, "env_steps": 0}
+        spec["kind"] = "sft"  # evaluated after (its eval section names the env)
+        del spec["rl"]
     elif args.what == "eval":
         spec.update({"kind": "eval", "init_from": args.init})
         del spec["rl"]
