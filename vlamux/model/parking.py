@@ -139,37 +139,38 @@ def unpark(parked: ParkedSlot, feature_meta: FeatureMeta, device="cpu", shell: S
 def store(parked: ParkedSlot, path: str | Path, durable: bool = True) -> None:
     """Write `parked` as a slot file (a checkpoint: `Slot.load_state` and `read_stored` read it).
     durable=False: not fsynced (a service's spool, which no restart reads)."""
+    tensors, meta = _file_parts(parked)
+    atomic_save_safetensors(tensors, path, meta, durable)
+
+
+def _file_parts(parked: ParkedSlot) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """A slot file's tensors (sharing no storage) and metadata (with their digest) for `parked`."""
     if parked.holds_gradients:
         raise InvalidInputError(f"tenant {parked.tenant!r} holds un-stepped gradients: a stored slot has none")
     meta = {k: v for k, v in parked.meta.items() if k != "accumulated"}
     tensors = {k: v.clone() for k, v in parked.tensors.items()}  # a file's tensors share no storage
-    atomic_save_safetensors(tensors, path, {**meta, "content_sha256": tensors_sha256(tensors)},
-                            durable)
+    return tensors, {**meta, "content_sha256": tensors_sha256(tensors)}
 
 
 def spool(parked: ParkedSlot, path: str | Path) -> str:
-    """`store` for a service's spool (scratch no restart reads: not fsynced). Returns the sha256 of the
-    file's bytes, for `unspool`."""
+    """`store` for a service's spool (scratch no restart reads: not fsynced), serialised once. Returns
+    the sha256 of the file's bytes, for `unspool`."""
     import hashlib
 
     from safetensors.torch import save
 
-    if parked.holds_gradients:
-        raise InvalidInputError(f"tenant {parked.tenant!r} holds un-stepped gradients: a stored slot has none")
-    meta = {k: v for k, v in parked.meta.items() if k != "accumulated"}
-    tensors = {k: v.clone() for k, v in parked.tensors.items()}  # a file's tensors share no storage
-    data = save(tensors, {**meta, "content_sha256": tensors_sha256(tensors)})
+    tensors, meta = _file_parts(parked)
+    data = save(tensors, meta)
     with atomic_path(path, durable=False) as tmp:
         Path(tmp).write_bytes(data)
     return hashlib.sha256(data).hexdigest()
 
 
 def unspool(path: str | Path, digest: str) -> ParkedSlot:
-    """A slot `spool` wrote, read back whole and checked against the digest it returned: one read and
-    one hash over the bytes. `read_stored`'s per-tensor digest and finiteness check cost three times
-    as much, mostly in calls that each give up Python's lock: a reader that a busy engine and its
-    clients keep waiting for that lock at every call (a slot's ninety-odd tensors) took ten times its
-    own time on two cores. The bytes are those written, from a slot in memory: nothing to check more."""
+    """A slot `spool` wrote, read back whole and checked against the digest it returned: one read, one
+    hash over the bytes, one load. `read_stored`'s per-tensor digest and finiteness check make hundreds
+    of calls, each giving up Python's lock, which a busy engine and its clients then hold; these bytes
+    are those written from a slot in memory, so the one hash is check enough."""
     import hashlib
 
     from safetensors.torch import load
@@ -179,7 +180,7 @@ def unspool(path: str | Path, digest: str) -> ParkedSlot:
     data = Path(path).read_bytes()
     if hashlib.sha256(data).hexdigest() != digest:
         raise CorruptCheckpointError(f"{path}: a spooled slot whose bytes are not those written")
-    n = int.from_bytes(data[:8], "little")
+    n = int.from_bytes(data[:8], "little")  # safetensors: the header's length, then the header
     meta = json.loads(data[8:8 + n]).get("__metadata__", {})
     return ParkedSlot(meta["tenant"], meta["backbone_id"], load(data), {**meta, "accumulated": "0"})
 

@@ -110,11 +110,7 @@ class FlowHead(ActionHead):
                    "step_log_prob": drawn_log_prob(draws["z"], draws["std"])}
             x = chain[..., -1, :, :]
         else:
-            x = x0
-            dt = 1.0 / self.steps
-            for k in range(self.steps):
-                t = torch.full(lead, k * dt, device=x.device)
-                x = x + dt * velocity(x, t).float()
+            x = sample_chain(velocity, x0, self.steps, keep=False)
         out["actions"] = x
         if self.has_value:
             out["value"] = self.critic(feature, state)

@@ -86,10 +86,11 @@ def step_mean(x: Tensor, v: Tensor, t: Tensor, dt: float, std: Tensor) -> Tensor
     return x + v * dt - var * (x - t * v) / (2 * (1 - t))
 
 
-def sample_chain(velocity: Velocity, x0: Tensor, steps: int, std: Tensor | None = None, z: Tensor | None = None
-                 ) -> Tensor:
+def sample_chain(velocity: Velocity, x0: Tensor, steps: int, std: Tensor | None = None, z: Tensor | None = None,
+                 keep: bool = True) -> Tensor:
     """The chain x_0..x_K [..., B, K+1, H, A] from x0 [..., B, H, A] (float32): ODE steps where std is
-    None or 0, else each step x_{k+1} = mean_k + std_k z_k (std [..., B, K], z [..., B, K, H, A])."""
+    None or 0, else each step x_{k+1} = mean_k + std_k z_k (std [..., B, K], z [..., B, K, H, A]).
+    keep=False: x_K alone (the plain sampler, which keeps no chain)."""
     dt = 1.0 / steps
     x = x0.float()
     chain = [x]
@@ -101,8 +102,9 @@ def sample_chain(velocity: Velocity, x0: Tensor, steps: int, std: Tensor | None 
         else:
             s = std[..., k].to(x.device, torch.float32)
             x = step_mean(x, v, t, dt, s) + s[..., None, None] * z[..., k, :, :].to(x.device, torch.float32)
-        chain.append(x)
-    return torch.stack(chain, dim=-3)
+        if keep:
+            chain.append(x)
+    return torch.stack(chain, dim=-3) if keep else x
 
 
 def drawn_log_prob(z: Tensor, std: Tensor, dims: int | None = None) -> Tensor:
