@@ -57,8 +57,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     # RL-heavy, like the paper's workload: RL tenants mostly simulate, SFT mostly trains
-    budget = Budget.quick() if args.quick else dataclasses.replace(Budget(), sft_steps=600, warm_start_steps=100,
-                                                                    rl_env_steps=8000)
+    budget = (Budget.quick() if args.quick else Budget(sft_steps=600, warm_start_steps=100, rl_env_steps=8000)).joynexus()
     given = {"sft_steps": args.sft_steps, "warm_start_steps": args.warm_start_steps,
              "rl_env_steps": args.rl_env_steps, "demos": args.demos}
     budget = dataclasses.replace(budget, demo_cameras=args.demo_cameras,

@@ -1,10 +1,11 @@
 """Screenshots of the web dashboard for the README (docs/img/dashboard.png, docs/img/dashboard-admin.png).
 
 Starts the real service on a free localhost port with a fresh data directory, generates a small
-demonstration dataset, lets two tenants run a few small jobs (acme: a 200-step SFT job and an RL job
-warm-started by SFT; bolt: an SFT job with a flow head), then opens /dashboard in headless Chromium
-(Debian's `chromium` + `chromium-driver`, see scripts/setup-system.sh) with acme's key and with the
-admin key and saves a full-page screenshot of each. About two minutes on a 2-core machine.
+demonstration dataset, lets two tenants run a few jobs (acme: a 200-step SFT job and an RL job
+warm-started by SFT, 100k env steps of PPO as docs/RESULTS.md measured it to learn; bolt: an SFT job
+with a flow head), then opens /dashboard in headless Chromium (Debian's `chromium` +
+`chromium-driver`, see scripts/setup-system.sh) with acme's key and with the admin key and saves a
+full-page screenshot of each. About fifteen minutes on a 2-core machine (`--rl-env-steps 3000`: three).
 
     python scripts/dashboard_screenshot.py [--out docs/img/dashboard.png] [--admin-out docs/img/dashboard-admin.png]
 """
@@ -21,18 +22,23 @@ from pathlib import Path
 
 from vlamux.sdk.http import call
 
-HEAD = {"kind": "gaussian", "action_dim": 4, "horizon": 4, "state_dim": 8}
-ENV = {"task": "goal/touch-red-cube", "image_size": 32, "n_action_steps": 2, "max_steps": 60}
+HEAD = {"kind": "gaussian", "action_dim": 4, "horizon": 8, "state_dim": 8}
+ENV = {"task": "goal/touch-red-cube", "image_size": 32, "n_action_steps": 4, "max_steps": 120}
 
 
 def jobs(steps: int, rl_env_steps: int) -> dict[str, list[dict]]:
     acme = [{"name": "bc-touch-red", "kind": "sft", "head": HEAD, "optimizer": {"lr": 3e-4},
              "sft": {"dataset": "demos", "steps": steps, "batch_size": 16}, "checkpoint_every": 50}]
     if rl_env_steps:
-        acme.append({"name": "ppo-touch-red", "kind": "rl", "head": HEAD, "optimizer": {"lr": 3e-4},
-                     "sft": {"dataset": "demos", "steps": 100, "batch_size": 16},
-                     "rl": {"env": ENV, "algorithm": "ppo", "env_steps": rl_env_steps, "n_envs": 4,
-                            "sub_batches": 2, "lr": 1e-4},
+        # the Gaussian tenant of scripts/experiments/flow_rl.py (docs/RESULTS.md, "RL for flow heads"):
+        # 300 SFT steps on the DART demonstrations, then PPO on whole episodes of both sub-batches per
+        # update (sync; 30 chunks of 4 actions = 120 steps), the dense reward, the critic fitted first
+        acme.append({"name": "ppo-touch-red", "kind": "rl", "head": HEAD, "optimizer": {"lr": 1e-3},
+                     "sft": {"dataset": "demos", "steps": 300, "batch_size": 64, "lr": 1e-3, "schedule": "cosine",
+                             "warmup_steps": 100},
+                     "rl": {"env": {**ENV, "options": {"reward": "dense"}}, "algorithm": "ppo", "mode": "sync",
+                            "env_steps": rl_env_steps, "n_envs": 16, "sub_batches": 2, "segment_steps": 30,
+                            "epochs": 4, "max_staleness": 8, "critic_warmup": 5, "lr": 3e-5},
                      "checkpoint_every": 20})
     bolt = [{"name": "flow-touch-red", "kind": "sft",
              "head": {"kind": "flow", "action_dim": 4, "horizon": 4, "state_dim": 8, "options": {"steps": 4}},
@@ -93,14 +99,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/img/dashboard.png"))
     ap.add_argument("--admin-out", type=Path, default=Path("docs/img/dashboard-admin.png"))
     ap.add_argument("--steps", type=int, default=200, help="SFT steps of acme's job")
-    ap.add_argument("--rl-env-steps", type=int, default=3000, help="0: no RL job")
+    ap.add_argument("--rl-env-steps", type=int, default=100_000, help="0: no RL job")
+    ap.add_argument("--demos", type=int, default=50, help="demonstration episodes")
     ap.add_argument("--width", type=int, default=1280)
     args = ap.parse_args()
 
     from vlamux.data.demos import generate
 
     data = Path(tempfile.mkdtemp(prefix="vlamux-dashboard-"))
-    generate(["goal/touch-red-cube"], 8, data / "datasets" / "demos", image_size=32, workers=1)
+    # DART demonstrations (the expert's motion noised, its actions kept), as the RL recipe's SFT start
+    generate(["goal/touch-red-cube"], args.demos, data / "datasets" / "demos", image_size=32, workers=2, noise=0.5)
     host, server, admin, url = serve(data)
     try:
         keys, submitted = {}, {}
@@ -114,7 +122,7 @@ def main() -> None:
             print("jobs:", " ".join(states), flush=True)
             return all(s in ("succeeded", "failed", "cancelled") for s in states)
 
-        wait_for("the jobs", all_done, timeout=900)
+        wait_for("the jobs", all_done, timeout=3600)
         host.meter.tick()
 
         driver = browser(args.width, 900)

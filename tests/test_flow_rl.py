@@ -239,6 +239,8 @@ def test_flow_rl_job_specs_are_checked_at_submission():
         load_spec({**base, "head": FLOW, "rl": {**base["rl"], "algorithm": "grpo", "flow": {"noise_level": 0}}})
     with pytest.raises(JobSpecError, match=r"rl.flow.noise_level: must be a number in \[0, 2\]"):
         load_spec({**base, "head": FLOW, "rl": {**base["rl"], "flow": {"noise_level": 3}}})
+    with pytest.raises(JobSpecError, match="rl.flow.mode: .*'sde'"):  # Flow-Noise is not built
+        load_spec({**base, "head": FLOW, "rl": {**base["rl"], "algorithm": "grpo", "flow": {"mode": "noise"}}})
     imported = {**base, "init_from": str(FIX_DIR / "pi0"), "rl": {**base["rl"], "algorithm": "grpo"}}
     assert load_spec(imported).rl.flow == FlowExploration()  # an imported expert reinforced by GRPO
     with pytest.raises(JobSpecError, match="an imported expert has none; use algorithm grpo"):

@@ -14,12 +14,14 @@ def test_main_job_quick(tmp_path, capsys):
                           "--progress-every", "5", "--device", "cpu", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     summary = json.loads((tmp_path / "runs" / "summary.json").read_text())
-    assert set(summary["results"]) == {"sft-flow", "rl-gauss-ppo", "rl-bins-ppo", "rl-gauss-grpo"}
+    assert set(summary["results"]) == {"rl-flow-ppo", "rl-gauss-ppo", "rl-bins-ppo", "rl-gauss-grpo"}
     for name, r in summary["results"].items():
         assert 0 <= r["before"]["success"] <= 1 and 0 <= r["after"]["success"] <= 1
-        assert ("rl" in r) == name.startswith("rl-") and ("after_sft" in r) == name.startswith("rl-")
+        assert "rl" in r and "after_sft" in r and r["paired"]["episodes"] == 4  # after SFT vs after RL
+    assert summary["results"]["rl-flow-ppo"]["rl"]["env_steps"] >= 128  # the flow head reinforced
     assert 0 < summary["multi"]["train_util"] <= 1 and 0 < summary["isolated"]["infer_util"] <= 1
     assert (summary["multi"]["device"], summary["multi"]["dtype"]) == ("cpu", "float32")  # as the services ran
+    assert "paired +" in out and "SFT result" in out
     assert "time saved" in out and "rl-bins-ppo: rl" in out or "rl-bins-ppo: succeeded" in out
     for job in summary["results"]:
         rows = (tmp_path / "runs" / "multi" / job / "metrics.csv").read_text().splitlines()

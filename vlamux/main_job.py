@@ -1,12 +1,13 @@
 """The main job: the multi-tenant experiment a user of vlamux cares about, on this machine.
 
-Three RL tenants (gaussian PPO, bins PPO, gaussian GRPO) and one SFT tenant (flow head) share one
-frozen backbone on the embedded runtime — the built-in tiny backbone with its shipped weights,
-pretrained on the built-in MuJoCo suite — and two of them (flow, bins) train a LoRA adapter on it
-beside their head. Every RL tenant clones the scripted noisy-expert (DART) demonstrations first, then
-reinforces from there; every tenant is evaluated before and after on seeded episodes. The jobs run all at once (requests of different tenants share backbone
-forwards), then — unless --no-isolated — one after another, each with the services to itself, so
-the run ends with the time multi-tenancy saved.
+Four RL tenants (a flow head reinforced by Flow-SDE PPO, gaussian PPO, bins PPO, gaussian GRPO)
+share one frozen backbone on the embedded runtime — the built-in tiny backbone with its shipped
+weights, pretrained on the built-in MuJoCo suite — and two of them (flow, bins) train a LoRA adapter
+on it beside their head. Every tenant clones the scripted noisy-expert (DART) demonstrations first,
+then reinforces from there; each is evaluated before, after SFT and after RL on the same seeded
+episodes, and the last two are paired. The jobs run all at once (requests of different tenants share
+backbone forwards), then — unless --no-isolated — one after another, each with the services to
+itself, so the run ends with the time multi-tenancy saved.
 
     python -m vlamux.main_job [--quick] [--no-isolated] [--workdir runs/main] [--device auto] [--dtype auto]
                               [--backbone tiny-tabletop | tiny | DIR]
@@ -107,17 +108,22 @@ def main(argv=None) -> int:
         print("\n== isolated: the same jobs one after another, each with the services to itself ==", flush=True)
         isolated = run(specs, "isolated", workdir, on_tick=_ticker(args.progress_every), **place)
 
-    print(f"\nresults per tenant (success on {budget.eval_episodes} seeded episodes, 95% CI):")
+    print(f"\nresults per tenant (success on {budget.eval_episodes} seeded episodes, 95% CI; RL tenants: the same "
+          f"seeds after SFT and after RL, paired episode by episode):")
     for name, r in multi["jobs"].items():
         extra = ""
         if "rl" in r:
-            extra = f"  (RL: {r['rl']['env_steps']} env steps, {r['rl']['env_steps_per_s']:.0f}/s, " \
-                    f"max lag {r['rl']['max_staleness_seen']})"
+            p = r["paired"]
+            extra = f"  paired +{p['gained']} -{p['lost']}, p = {p['p_value']:.2g}  (RL: {r['rl']['env_steps']} env " \
+                    f"steps, {r['rl']['env_steps_per_s']:.0f}/s, max lag {r['rl']['max_staleness_seen']})"
         warm = f"  after SFT {_ci(r['after_sft'])}" if "after_sft" in r else ""
         print(f"  {name:14s} {module[name]:24s} before {_ci(r['before'])}{warm}  after {_ci(r['after'])}{extra}")
     low = [n for n, r in multi["jobs"].items() if r["after"]["success"] < 0.70]
     print(f"  every tenant ends at >= 70% over {budget.eval_episodes} episodes" if not low else
           f"  below 70% over {budget.eval_episodes} episodes: {', '.join(low)}")
+    fell = [n for n, r in multi["jobs"].items() if "after_sft" in r and r["after"]["success"] < r["after_sft"]["success"]]
+    print("  no RL tenant ends below its own SFT result" if not fell else
+          f"  RL ended below the SFT result: {', '.join(fell)}")
     print("\nservices (busy / wall):")
     print(f"  multi-tenant: wall {multi['wall_s']:.0f}s, training {multi['train_util']:.1%}, "
           f"inference {multi['infer_util']:.1%}")

@@ -31,15 +31,25 @@ class Budget:
     # DART (docs/RESULTS.md): the expert's executed motion gets noise of this std (of the action range)
     # while the dataset keeps its own action, so the demonstrations show the way back from near misses
     demo_noise: float = 0.5
-    sft_steps: int = 2000  # the SFT tenant's
-    warm_start_steps: int = 1500  # each RL tenant's behaviour cloning before RL
-    rl_env_steps: int = 10000
+    sft_steps: int = 2000  # the flow tenant's
+    warm_start_steps: int = 1500  # each other RL tenant's behaviour cloning before RL
+    # the flow tenant: SFT, then RL by Flow-SDE (True), or SFT only (JoyNexus's 3 RL + 1 SFT mix)
+    flow_rl: bool = True
+    rl_env_steps: int = 30000
     rl_envs: int = 8  # each RL sub-batch's envs (two sub-batches a tenant)
-    segment_steps: int = 8  # vectorised steps of a PPO segment
+    # RL as measured to keep or raise a cloned policy (docs/RESULTS.md): updates on whole episodes of
+    # both sub-batches ("sync", segments as long as an episode), the dense reward, lr 3e-5 x 4 passes;
+    # small async segments (8 steps) moved the Gaussian PPO tenant 0.02-0.06 in KL per update and
+    # lost 6 of its 48 successes (run 4)
+    rl_mode: str = "sync"
+    segment_steps: int = 0  # vectorised steps of a PPO segment (0: an episode's)
+    reward: str = "dense"
+    rl_epochs: int = 4
+    critic_warmup: int = 3  # PPO's first updates fit the critic alone
     eval_episodes: int = 50
     # tenants whose module holds a LoRA adapter on the backbone beside the head (the others read its
     # frozen features); rank and the adapted Linears of every block
-    lora_tenants: tuple[str, ...] = ("sft-flow", "rl-bins-ppo")
+    lora_tenants: tuple[str, ...] = ("sft-flow", "rl-flow-ppo", "rl-bins-ppo")
     lora_rank: int = 16
     lora_targets: tuple[str, ...] = ("qkv", "proj", "mlp.0", "mlp.2")
     # the bins head's bins per action dimension: with LoRA, 64 cloned the task to 78% in 1000 steps, the
@@ -55,7 +65,13 @@ class Budget:
     def quick(cls) -> Budget:
         # one segment of 4 envs x 4 steps x 4 actions per sub-batch: RL's plumbing, each lane once or twice
         return cls(demos=8, sft_steps=12, warm_start_steps=6, rl_env_steps=128, rl_envs=4, segment_steps=4,
-                   eval_episodes=4, max_steps=16, batch_size=8, lora_rank=4)
+                   eval_episodes=4, max_steps=16, batch_size=8, lora_rank=4, critic_warmup=1)
+
+    def joynexus(self, **changes) -> Budget:
+        """The JoyNexus benchmark's mix (bench/multi_tenant.py): the flow tenant SFT only, RL on small
+        asynchronous segments with the sparse reward, as its committed runs measured."""
+        return dataclasses.replace(self, flow_rl=False, rl_mode="async", segment_steps=self.segment_steps or 8,
+                                   reward="sparse", rl_epochs=2, critic_warmup=30, **changes)
 
 
 def env_spec(b: Budget) -> dict:
@@ -63,21 +79,21 @@ def env_spec(b: Budget) -> dict:
 
 
 def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[dict]:
-    """Four tenants, four heads: flow (SFT only), gaussian PPO, bins PPO, gaussian GRPO; those in
-    `b.lora_tenants` with a LoRA adapter too. The settings are the ones measured to work on this suite
-    (docs/RESULTS.md): cosine-scheduled SFT with warm-up, then RL at lr 3e-5 with two passes over each
-    segment (PPO fits its critic first). `backbone`: a preset, shipped weights or a model directory
-    (`run` is given the same)."""
+    """Four tenants, four heads: flow (SFT, then Flow-SDE PPO; or SFT only), gaussian PPO, bins PPO,
+    gaussian GRPO; those in `b.lora_tenants` with a LoRA adapter too. The settings are the ones
+    measured to work on this suite (docs/RESULTS.md): cosine-scheduled SFT with warm-up, then RL at a
+    learning rate well below SFT's (PPO fits its critic first). `backbone`: a preset, shipped weights
+    or a model directory (`run` is given the same)."""
     env = env_spec(b)
     ev = {"episodes": b.eval_episodes, "n_envs": 10 if b.eval_episodes >= 10 else 2, "env": env}
     sft = {"dataset": str(dataset), "camera_map": CAMERAS, "batch_size": b.batch_size, "lr": 1e-3,
            "schedule": "cosine", "warmup_steps": min(100, max(1, b.sft_steps // 10))}
     head = {"action_dim": 4, "horizon": b.horizon, "state_dim": 8}
-    rl = {"env": env, "env_steps": b.rl_env_steps, "n_envs": b.rl_envs, "sub_batches": 2,
-          "segment_steps": b.segment_steps,
-          "minibatch_rows": 64, "max_staleness": 4, "epochs": 2, "lr": 3e-5,  # 2 segments' worth of versions
-          "critic_warmup": 30}  # measured: PPO at lr 1e-4 x 4 passes undid SFT (docs/RESULTS.md)
-    grpo_steps = -(-b.max_steps // b.n_action_steps)  # an episode's vectorised steps
+    episode_steps = -(-b.max_steps // b.n_action_steps)  # an episode's vectorised steps
+    rl = {"env": {**env, "options": {"reward": b.reward}}, "env_steps": b.rl_env_steps, "n_envs": b.rl_envs,
+          "sub_batches": 2, "mode": b.rl_mode, "segment_steps": b.segment_steps or episode_steps,
+          "minibatch_rows": 64, "max_staleness": 2 * b.rl_epochs, "epochs": b.rl_epochs, "lr": 3e-5,
+          "critic_warmup": b.critic_warmup}  # RL's lr: PPO at lr 1e-4 x 4 passes undid SFT (docs/RESULTS.md)
 
     adapter = {"kind": "lora", "rank": b.lora_rank, "alpha": 2.0 * b.lora_rank, "target_modules": list(b.lora_targets)}
 
@@ -88,12 +104,17 @@ def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[di
                 "head": h, "optimizer": {"lr": 1e-3}, "eval": ev, "checkpoint_every": 200, **extra}
 
     warm = {**sft, "steps": b.warm_start_steps, "warmup_steps": min(100, max(1, b.warm_start_steps // 10))}
+    flow_sft = {**sft, "steps": b.sft_steps}
+    # the flow tenant explores by Flow-SDE (docs/WORKFLOWS.md); its PPO critic is a head option
+    flow = (job("rl-flow-ppo", "rl", "flow", options={"critic": True}, sft=flow_sft,
+                rl={**rl, "flow": {"noise_level": 0.5, "steps_trained": 2}})
+            if b.flow_rl else job("sft-flow", "sft", "flow", sft=flow_sft))
     return [
-        job("sft-flow", "sft", "flow", sft={**sft, "steps": b.sft_steps}),
+        flow,
         job("rl-gauss-ppo", "rl", "gaussian", sft=warm, rl=rl),
         job("rl-bins-ppo", "rl", "bins", sft=warm, rl=rl, options={"n_bins": b.n_bins}),
         job("rl-gauss-grpo", "rl", "gaussian", sft=warm,
-            rl={**rl, "algorithm": "grpo", "group_size": 4, "segment_steps": grpo_steps}),
+            rl={**rl, "algorithm": "grpo", "group_size": 4, "segment_steps": episode_steps}),
     ]
 
 

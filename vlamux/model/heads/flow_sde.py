@@ -51,6 +51,9 @@ class FlowExploration:
 
     noise_level: float = bounded(0.5, 0.0, NOISE_LEVEL_MAX)
     steps_trained: int = bounded(0, 0, 4096)
+    # how the chain is made stochastic: "sde" (the ODE's marginal-preserving SDE). πRL's other way,
+    # Flow-Noise (a learned noise network), is not built: a spec asking for it is refused by name
+    mode: str = bounded("sde", choices=("sde",))
 
     def __post_init__(self):
         check(self)  # a SpecError (an InvalidInputError) naming the field
