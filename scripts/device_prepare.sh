@@ -29,8 +29,8 @@ apt-get $o update -qq
 (cd .gl && apt-get $o download libvulkan1 libegl1 libglvnd0 libopengl0 libgl1 libglx0 libgles2 >/dev/null)
 du -sh .whl .gl
 cat <<'MSG'
-ready. The device call (one command; carry .whl and .gl; timeout_s 360: the check's 315 s budget plus the
-installs and its own start, so that a machine start and one full rerun fit the 15-minute lease; see
-`python scripts/device_check.py --plan`):
+ready. The device call (one command; carry .whl and .gl; timeout_s 440: the check's 400 s budget plus the
+installs and its own start, so that a machine start, the run and a rerun of what failed fit the 15-minute
+lease; see `python scripts/device_check.py --plan`):
   for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig; v=/usr/local/nvidia/share/glvnd/egl_vendor.d/10_nvidia.json; [ -f $v ] && export __EGL_VENDOR_LIBRARY_FILENAMES=$v; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD && PYTHONUNBUFFERED=1 python3 scripts/device_check.py --out-dir $OUT
 MSG

@@ -87,29 +87,45 @@ def test_device_check_dry_run(tmp_path):
     assert not any(p.is_dir() or p.name.startswith(".") for p in out.iterdir())  # no temporaries, no model folder
 
 
-def test_the_plan_fits_the_lease_with_a_full_rerun():
+def test_the_plan_fits_the_lease_with_room_to_rerun_what_failed():
     """The GPU plan's arithmetic: the step limits (the GL probe's included) add up to no more than the
     budget; the command (budget plus the stated overhead: installs, the check's start, the steps'
-    starts) ends within 6 minutes; a machine start, two full runs and their transfers fit 15 minutes."""
+    starts) ends within its timeout_s and one call's 10 minutes; a machine start, the run and its
+    transfers leave at least RERUN_MIN_S of the 15 minutes for rerunning the steps that failed."""
     check = _device_check()
     p = check.plan()
     assert p["budget_s"] == check.BUDGET_S and p["dry_run"] is False
     assert p["steps_s"] < p["sum_s"] <= p["budget_s"]  # the probe on top of the steps, all within the budget
     assert p["sum_s"] == sum(r["limit_s"] for r in p["steps"]) + p["gl_probe_s"]
     assert p["overhead_s"] and all(v > 0 for v in p["overhead_s"].values())  # stated, part by part
-    assert p["command_s"] == p["budget_s"] + sum(p["overhead_s"].values()) <= p["command_max_s"] <= 360
-    assert p["machine_start_s"] >= 120
-    assert p["lease_s"] == p["machine_start_s"] + 2 * p["command_s"] + 2 * p["transfer_s"] <= p["lease_max_s"] == 900
+    assert p["command_s"] == p["budget_s"] + sum(p["overhead_s"].values()) <= p["command_max_s"] <= 600
+    assert p["machine_start_s"] >= 60  # measured 31-32 s with the transfers (docs/GPU.md)
+    assert p["lease_s"] == p["machine_start_s"] + p["command_s"] + p["transfer_s"]
+    assert p["rerun_s"] == p["lease_max_s"] - p["lease_s"] >= p["rerun_min_s"] >= 300 and p["lease_max_s"] == 900
     steps = {s.name: s for s in check.steps()}
-    assert [r["name"] for r in p["steps"]] == list(steps)
+    default = [s.name for s in check.default_steps()]
+    assert [r["name"] for r in p["steps"]] == default and p["extra"] == ["group_batching_vla"]
+    assert set(default) | set(p["extra"]) == set(steps)
     for r in p["steps"]:  # every benchmark's grid stated, and its planned cells named
         assert r["cells"] and r["limit_s"] > 0
         assert bool(r["planned"]) == steps[r["name"]].result, r["name"]
-    vla = next(r for r in p["steps"] if r["name"] == "group_batching_vla")
+    vla = check.plan(chosen=[steps["group_batching_vla"]])["steps"][0]  # a lease of its own (--only)
     assert {"smolvla:smolvla-450m train 8x1", "pi0:pi0-3b inference 4x1"} <= set(vla["planned"])
     assert len(vla["planned"]) == 4
     assert "--scheduler-overhead" not in steps["inference_serving"].gpu  # auto: the CPU-only part skipped on a GPU
     assert {n for n, s in steps.items() if s.renders or s.render_tests} == {"tests", "async_rl", "multi_tenant"}
+    assert all("--no-cap" in steps[n].gpu for n in ("group_batching_base", "lora_groups", "group_batching_hf"))
+
+
+def test_the_steps_cache_their_bytecode_where_the_image_forbids_writing_it(monkeypatch):
+    """The GPU image sets PYTHONDONTWRITEBYTECODE; each step's interpreter recompiled torch's sources (6 s
+    a step on the H200). The steps' environment drops it and names a bytecode cache they share."""
+    check = _device_check()
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    env = check._step_env({"MUJOCO_GL": "egl"})
+    assert "PYTHONDONTWRITEBYTECODE" not in env and env["PYTHONPYCACHEPREFIX"] and env["MUJOCO_GL"] == "egl"
+    assert check._step_env()["PYTHONPYCACHEPREFIX"] == env["PYTHONPYCACHEPREFIX"]  # one cache for every step
 
 
 def test_plan_is_printed_without_a_gpu():
@@ -117,12 +133,15 @@ def test_plan_is_printed_without_a_gpu():
                           text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    for name in ("gl_probe", "tests", "group_batching_base", "group_batching_vla", "group_batching_hf"):
+    for name in ("gl_probe", "tests", "group_batching_base", "group_batching_hf"):
         assert f"  {name} " in out, name
-    assert "sum of limits" in out and "<= budget 315 s" in out
-    assert "N:b 8:1,1:1 x" in out and "π0-shaped (3.3B, 4 tenants)" in out  # the grids, stated
-    assert "the lease: machine start 120" in out and "<= 900 s" in out
-
+    assert "  group_batching_vla " not in out and "(each needs a lease of its own, --only): group_batching_vla" in out
+    assert "sum of limits" in out and "<= budget 400 s" in out
+    assert "N:b 8:1,1:1 x" in out  # the grids, stated
+    assert "the lease: machine start 60" in out and "for rerunning the steps that failed" in out
+    only = subprocess.run([sys.executable, "scripts/device_check.py", "--plan", "--only", "group_batching_vla"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert only.returncode == 0 and "π0-shaped (3.3B, 4 tenants)" in only.stdout
 
 
 def test_gpu_md_states_the_plans_limits():
