@@ -18,10 +18,13 @@ def test_main_job_quick(tmp_path, capsys):
     for name, r in summary["results"].items():
         assert 0 <= r["before"]["success"] <= 1 and 0 <= r["after"]["success"] <= 1
         assert "rl" in r and "after_sft" in r and r["paired"]["episodes"] == 4  # after SFT vs after RL
+        v = r["validation"]  # start and end on other seeds; the better kept
+        assert v["kept"] in ("start", "rl") and v["paired"]["episodes"] == 4
+        assert next(iter(v["rl"]["tasks"].values()))["seed"] != next(iter(r["after"]["tasks"].values()))["seed"]
     assert summary["results"]["rl-flow-ppo"]["rl"]["env_steps"] >= 128  # the flow head reinforced
     assert 0 < summary["multi"]["train_util"] <= 1 and 0 < summary["isolated"]["infer_util"] <= 1
     assert (summary["multi"]["device"], summary["multi"]["dtype"]) == ("cpu", "float32")  # as the services ran
-    assert "paired +" in out and "SFT result" in out
+    assert "paired +" in out and "SFT result" in out and "validation (4 episodes from seed 5,000,000)" in out
     assert "time saved" in out and "rl-bins-ppo: rl" in out or "rl-bins-ppo: succeeded" in out
     for job in summary["results"]:
         rows = (tmp_path / "runs" / "multi" / job / "metrics.csv").read_text().splitlines()

@@ -118,6 +118,10 @@ def main(argv=None) -> int:
                     f"steps, {r['rl']['env_steps_per_s']:.0f}/s, max lag {r['rl']['max_staleness_seen']})"
         warm = f"  after SFT {_ci(r['after_sft'])}" if "after_sft" in r else ""
         print(f"  {name:14s} {module[name]:24s} before {_ci(r['before'])}{warm}  after {_ci(r['after'])}{extra}")
+        if "validation" in r:  # selected on other seeds than the table's: the table stays unbiased
+            v, first = r["validation"], next(iter(r["validation"]["rl"]["tasks"].values()))
+            print(f"  {'':14s} validation ({first['episodes']} episodes from seed {first['seed']:,}): start {v['start']['success']:.2f}, RL's "
+                  f"{v['rl']['success']:.2f} -> kept {'the start (RL validated lower)' if v['kept'] == 'start' else 'RL'}")
     low = [n for n, r in multi["jobs"].items() if r["after"]["success"] < 0.70]
     print(f"  every tenant ends at >= 70% over {budget.eval_episodes} episodes" if not low else
           f"  below 70% over {budget.eval_episodes} episodes: {', '.join(low)}")

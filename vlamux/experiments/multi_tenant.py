@@ -47,6 +47,9 @@ class Budget:
     rl_epochs: int = 4
     critic_warmup: int = 3  # PPO's first updates fit the critic alone
     eval_episodes: int = 50
+    # each RL tenant's start and end policies on episodes of other seeds: the better is kept (an RL job
+    # hands back no policy that validated below its start; eval.validation_episodes); 0: off
+    validation_episodes: int = 50
     # tenants whose module holds a LoRA adapter on the backbone beside the head (the others read its
     # frozen features); rank and the adapted Linears of every block
     lora_tenants: tuple[str, ...] = ("sft-flow", "rl-flow-ppo", "rl-bins-ppo")
@@ -65,13 +68,13 @@ class Budget:
     def quick(cls) -> Budget:
         # one segment of 4 envs x 4 steps x 4 actions per sub-batch: RL's plumbing, each lane once or twice
         return cls(demos=8, sft_steps=12, warm_start_steps=6, rl_env_steps=128, rl_envs=4, segment_steps=4,
-                   eval_episodes=4, max_steps=16, batch_size=8, lora_rank=4, critic_warmup=1)
+                   eval_episodes=4, validation_episodes=4, max_steps=16, batch_size=8, lora_rank=4, critic_warmup=1)
 
     def joynexus(self, **changes) -> Budget:
         """The JoyNexus benchmark's mix (bench/multi_tenant.py): the flow tenant SFT only, RL on small
         asynchronous segments with the sparse reward, as its committed runs measured."""
         return dataclasses.replace(self, flow_rl=False, rl_mode="async", segment_steps=self.segment_steps or 8,
-                                   reward="sparse", rl_epochs=2, critic_warmup=30, **changes)
+                                   reward="sparse", rl_epochs=2, critic_warmup=30, validation_episodes=0, **changes)
 
 
 def env_spec(b: Budget) -> dict:
@@ -101,7 +104,8 @@ def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[di
         h = {**head, "kind": head_kind, **({"adapter": adapter} if name in b.lora_tenants else {}),
              **({"options": options} if options else {})}
         return {"name": name, "tenant": name, "kind": kind, "backbone": backbone_name(spec_from_arg(backbone)),
-                "head": h, "optimizer": {"lr": 1e-3}, "eval": ev, "checkpoint_every": 200, **extra}
+                "head": h, "optimizer": {"lr": 1e-3}, "checkpoint_every": 200, **extra,
+                "eval": {**ev, "validation_episodes": b.validation_episodes} if kind == "rl" else ev}
 
     warm = {**sft, "steps": b.warm_start_steps, "warmup_steps": min(100, max(1, b.warm_start_steps // 10))}
     flow_sft = {**sft, "steps": b.sft_steps}

@@ -143,7 +143,8 @@ class MasterService:
 
             def keep(key: str, value) -> None:
                 result[key] = value
-                _write_json(partial, {k: v for k, v in result.items() if k in ("before", "after_sft", "sft")})
+                _write_json(partial, {k: v for k, v in result.items()
+                                      if k in ("before", "after_sft", "sft", "validation_start")})
 
             if spec.eval is not None and spec.eval.before and resume is None:
                 keep("before", self._evaluate(job))
@@ -161,8 +162,18 @@ class MasterService:
             if spec.kind == "rl" and spec.sft is not None and spec.eval is not None and in_sft \
                     and "after_sft" not in result:
                 keep("after_sft", self._evaluate(job))  # where RL starts from
+            start_file = job.dir / "rl_start.safetensors"  # the policy RL starts from, while validation may want it
+            validating = spec.kind == "rl" and spec.eval is not None and spec.eval.validation_episodes > 0
+            if validating and "validation_start" not in result:
+                svc.save_state(spec.tenant, start_file).result(120)
+                keep("validation_start", self._evaluate(job, validation=True))
             if spec.kind == "rl" and not (resume and resume["phase"] == "rl-done"):
                 result["rl"] = self._rl(job, metrics, checkpoint, resume)
+            if validating:
+                result["validation"] = self._select(job, result.pop("validation_start"), start_file)
+                if result["validation"]["kept"] == "start":  # the job's newest checkpoint is what it keeps
+                    done = json.loads(state_file.read_text())
+                    checkpoint("rl-done", done["step"], done["env_steps"], segments=done.get("segments", 0))
             if spec.eval is not None:
                 result["after"] = self._evaluate(job)
                 start = result.get("after_sft") or result.get("before")
@@ -253,14 +264,28 @@ class MasterService:
                 "env_steps_per_s": st.env_steps / max(wall, 1e-9), "curve": st.episodes, "by_task": st.by_task,
                 "approx_kl": st.approx_kl, "clip_frac": st.clip_frac, "lane_busy_s": st.lane_busy_s}
 
-    def _evaluate(self, job: Job) -> dict:
+    def _select(self, job: Job, start: dict, start_file: Path) -> dict:
+        """RL's policy against the one it started from, on the validation episodes: the better stays
+        (RL's on a tie); where RL's did worse, the start is loaded back (and published)."""
+        spec = job.spec
+        end = self._evaluate(job, validation=True)
+        kept = "start" if end["success"] < start["success"] else "rl"
+        if kept == "start":
+            self.services.load_state(spec.tenant, start_file).result(120)
+            log.info("job %s keeps the policy RL started from: validation %.3f against RL's %.3f",
+                     spec.name, start["success"], end["success"])
+        start_file.unlink(missing_ok=True)
+        return {"start": start, "rl": end, "kept": kept, "paired": paired(start, end)}
+
+    def _evaluate(self, job: Job, validation: bool = False) -> dict:
         spec, ev = job.spec, job.spec.eval
         env = ev.env or spec.env
         if env is None:
             raise JobSpecError("eval.env: an sft job's evaluation needs an env spec")
         tasks = ev.tasks or (list(spec.rl.tasks) if spec.rl is not None and spec.rl.tasks else [env.task])
-        job.progress = {"phase": "eval", "tasks": tasks}
-        return evaluate(self.services, spec.tenant, env, tasks, ev.episodes, seed=ev.seed, n_envs=ev.n_envs)
+        job.progress = {"phase": "validation" if validation else "eval", "tasks": tasks}
+        episodes, seed = (ev.validation_episodes, ev.validation_seed) if validation else (ev.episodes, ev.seed)
+        return evaluate(self.services, spec.tenant, env, tasks, episodes, seed=seed, n_envs=ev.n_envs)
 
 
 def _stats_mode(spec: JobSpec) -> str:

@@ -41,9 +41,20 @@ class EvalSpec:
     seed: int = bounded(10_000, 0, SEED_MAX)
     before: bool = True  # evaluate before training too (the "before" of before/after)
     env: EnvSpec | None = None  # default: the job's RL env
+    # An RL job: episodes on seeds of their own (validation_seed + k, none of the evaluation's), run on
+    # the policy RL starts from and on the one it ends with; the job keeps the one that validates better
+    # (RL's on a tie), so it never hands back a policy that did worse there than its start. 0: off.
+    validation_episodes: int = bounded(0, 0, 10**5)
+    validation_seed: int = bounded(5_000_000, 0, SEED_MAX)
 
     def __post_init__(self):
         check(self)
+        if self.validation_episodes and self.validation_seed < self.seed + self.episodes \
+                and self.seed < self.validation_seed + self.validation_episodes:
+            raise JobSpecError(f"eval.validation_seed: the validation episodes' seeds {self.validation_seed}.."
+                               f"{self.validation_seed + self.validation_episodes - 1} overlap the evaluation's "
+                               f"{self.seed}..{self.seed + self.episodes - 1}: selecting on the episodes that "
+                               f"report the result would bias it")
 
 
 @dataclass
@@ -71,6 +82,9 @@ class JobSpec:
             raise JobSpecError("rl: an rl job needs an 'rl' section (env, algorithm, env_steps, ...)")
         if self.kind == "eval" and self.eval is None:
             raise JobSpecError("eval: an eval job needs an 'eval' section (tasks, episodes)")
+        if self.kind != "rl" and self.eval is not None and self.eval.validation_episodes:
+            raise JobSpecError(f"eval.validation_episodes: only an rl job validates (its start against its end); "
+                               f"this is a {self.kind} job")
         if not self.name or len(self.name) > 128 or not all(c.isalnum() or c in "-_." for c in self.name):
             raise JobSpecError(f"name: 1 to 128 letters, digits, '-', '_' and '.', got {self.name[:80]!r}")
         self._lerobot_head()
