@@ -133,3 +133,26 @@ def test_vector_env_runs_metaworld():
         assert infos[0]["variation"] != infos[1]["variation"] or not np.array_equal(*obs["state"])
         obs, reward, term, trunc, infos = vec.step(np.zeros((2, 4, 4), np.float32))
         assert reward.shape == (2,) and isinstance(infos[0]["is_success"], bool)
+
+
+def test_difficulty_groups_partition_mt50_as_lerobot_reports_them():
+    from vlamux.envs.metaworld import DIFFICULTY
+
+    assert {k: len(v) for k, v in DIFFICULTY.items()} == {"easy": 28, "medium": 11, "hard": 6, "very_hard": 5}
+    tasks = [t for group in DIFFICULTY.values() for t in group]
+    assert sorted(tasks) == sorted(MT50_TASKS) and len(set(tasks)) == 50
+
+
+def test_the_lerobot_setting_is_four_dim_state_seeded_random_positions_and_the_expert_action():
+    env = MetaWorldEnv("push-v3", image_size=16, cameras=("corner2",), state="ee", randomize=True, view="lerobot",
+                       expert=True)
+    starts = []
+    for seed in (3, 4, 3):
+        obs, info = env.reset(seed=seed)
+        assert obs["state"].shape == (4,) and env.observation_space.contains(obs)
+        assert info["expert_action"].shape == (4,) and np.abs(info["expert_action"]).max() <= 1
+        starts.append(env._raw[4:7].copy())  # the puck's position, which the policy does not see
+    assert not np.allclose(starts[0], starts[1]) and np.array_equal(starts[0], starts[2])  # drawn from the seed
+    with pytest.raises(ValueError, match="option state"):
+        MetaWorldEnv("push-v3", state="object")
+    env.close()

@@ -24,13 +24,25 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 @click.option("--overwrite", is_flag=True, help="Replace a dataset of that name.")
 def demos(tasks, episodes, image_size, data_dir, name, workers, seed, overwrite) -> None:
     """Scripted demonstrations of TASKS (e.g. goal/touch-red-cube) as a dataset of the service at
-    --data-dir (written locally; no server needed). Prints the name for a spec's sft.dataset."""
+    --data-dir (written locally; no server needed). Prints the name for a spec's sft.dataset.
+    Meta-World tasks (metaworld/reach-v3, ...) are recorded through the environment service from
+    the suite's own experts, one dataset per task (metaworld-<task>)."""
     from tqdm.auto import tqdm
 
     from vlamux.data.demos import generate
 
     if episodes < 1 or image_size < 8 or workers < 1:
         raise click.BadParameter("--episodes and --workers must be >= 1, --image-size >= 8")
+    metaworld = [t for t in tasks if t.startswith("metaworld/")]
+    if metaworld:
+        if len(metaworld) != len(tasks):
+            raise click.BadParameter("Meta-World tasks (metaworld/...) are recorded one dataset per task; "
+                                     "give them apart from the built-in suite's")
+        if name and len(tasks) > 1:
+            raise click.BadParameter("--name names one dataset; Meta-World tasks make one each", param_hint="--name")
+        for task in tasks:
+            _metaworld_demos(task, episodes, image_size, data_dir, name, workers, seed, overwrite)
+        return
     name = name or dataset_name(tasks)
     if not name or "/" in name or "\\" in name or name.startswith("."):
         raise click.BadParameter(f"{name!r}: a dataset name has no '/' and does not start with '.'",
@@ -47,6 +59,31 @@ def demos(tasks, episodes, image_size, data_dir, name, workers, seed, overwrite)
                      overwrite=overwrite, progress=progress)
     click.echo(f"{r['episodes']} episodes in {out} ({r['seconds']:.0f}s); use  sft: {{dataset: {name}}}",
                err=True)
+    click.echo(name)
+
+
+def _metaworld_demos(task, episodes, image_size, data_dir, name, workers, seed, overwrite) -> None:
+    from tqdm.auto import tqdm
+
+    from vlamux.data.metaworld_demos import record
+    from vlamux.envs.metaworld import parse_task
+
+    try:
+        short = parse_task(task.removeprefix("metaworld/"))
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="TASKS") from None
+    name = name or f"metaworld-{short}"
+    out = data_dir / "datasets" / name
+    if out.exists() and not overwrite:
+        raise click.ClickException(f"{out} exists; pass --overwrite to replace it, or --name")
+    with tqdm(total=episodes, desc=f"demos {name}", unit="episode", file=sys.stderr) as bar:
+        def progress(done: int, of: int) -> None:
+            bar.update(done - bar.n)
+
+        r = record(short, episodes, out, image_size=image_size, seed=seed, n_envs=workers, n_workers=workers,
+                   overwrite=overwrite, progress=progress)
+    click.echo(f"{r['episodes']} episodes ({r['frames']} frames; {len(r['failed_seeds'])} failed expert episodes "
+               f"skipped) in {out} ({r['seconds']:.0f}s); use  sft: {{dataset: {name}}}", err=True)
     click.echo(name)
 
 

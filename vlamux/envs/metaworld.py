@@ -15,6 +15,14 @@ Meta-World's full 39-D observation as float32 (hand xyz, gripper opening, 14 obj
 Meta-World's shaped reward (0..10); the episode terminates on ``info["success"]`` and is truncated
 at ``max_steps``.
 
+Options: ``state: "ee"`` gives the 4-D state LeRobot's MetaWorld setup gives a policy (hand xyz and
+gripper opening, no object or goal dims); ``randomize: true`` draws the object and goal positions
+afresh at every reset, as Meta-World's own sampler does (LeRobot's setting), instead of one of the
+50 fixed variations; ``view: "lerobot"`` moves ``corner2`` where LeRobot puts it; ``expert: true``
+runs the task's scripted policy (``metaworld.policies``) on the full state inside the simulator's
+process and returns its action as ``info["expert_action"]``, so demonstrations can be recorded
+through the environment service while the policy's observation stays the 4-D one.
+
 Cameras: Meta-World's ``topview``, ``corner``, ``corner2``, ``corner3``, ``corner4``,
 ``behindGripper``, ``gripperPOV``, plus the aliases ``agentview`` (= corner) and ``wrist``
 (= gripperPOV) so that the default `EnvSpec` cameras work. The corner cameras are mounted upside
@@ -24,6 +32,7 @@ rotated 180 degrees so they come out upright (not mirrored).
 
 from __future__ import annotations
 
+import warnings
 from functools import lru_cache
 
 import gymnasium as gym
@@ -107,11 +116,29 @@ INSTRUCTIONS: dict[str, str] = {
     "window-close-v3": "slide the window closed",
 }
 MT50_TASKS: tuple[str, ...] = tuple(INSTRUCTIONS)
+# MT50 by difficulty, the grouping LeRobot's MetaWorld evaluation and the SmolVLA paper report by
+# (from Seo et al.'s split): 28 easy, 11 medium, 6 hard, 5 very hard
+DIFFICULTY: dict[str, tuple[str, ...]] = {
+    "easy": ("button-press-v3", "button-press-topdown-v3", "button-press-topdown-wall-v3", "button-press-wall-v3",
+             "coffee-button-v3", "dial-turn-v3", "door-close-v3", "door-lock-v3", "door-open-v3",
+             "door-unlock-v3", "drawer-close-v3", "drawer-open-v3", "faucet-close-v3", "faucet-open-v3",
+             "handle-press-v3", "handle-press-side-v3", "handle-pull-v3", "handle-pull-side-v3",
+             "lever-pull-v3", "plate-slide-v3", "plate-slide-back-v3", "plate-slide-back-side-v3",
+             "plate-slide-side-v3", "reach-v3", "reach-wall-v3", "window-close-v3", "window-open-v3",
+             "peg-unplug-side-v3"),
+    "medium": ("basketball-v3", "bin-picking-v3", "box-close-v3", "coffee-pull-v3", "coffee-push-v3", "hammer-v3",
+               "peg-insert-side-v3", "push-wall-v3", "soccer-v3", "sweep-v3", "sweep-into-v3"),
+    "hard": ("assembly-v3", "hand-insert-v3", "pick-out-of-hole-v3", "pick-place-v3", "push-v3", "push-back-v3"),
+    "very_hard": ("shelf-place-v3", "disassemble-v3", "stick-pull-v3", "stick-push-v3", "pick-place-wall-v3"),
+}
 
 CAMERAS = ("topview", "corner", "corner2", "corner3", "corner4", "behindGripper", "gripperPOV")
 CAMERA_ALIASES = {"agentview": "corner", "wrist": "gripperPOV"}
 DEFAULT_CAMERAS = ("corner", "gripperPOV")
-OPTIONS = {"render", "task_seed"}  # EnvSpec.options this backend understands
+OPTIONS = {"render", "task_seed", "state", "randomize", "view", "expert"}  # EnvSpec.options it understands
+EE_STATE_NAMES = STATE_NAMES[:4]  # state "ee": what LeRobot's MetaWorld policies see (its agent_pos)
+# LeRobot's MetaWorld env moves the corner2 camera here (as in arXiv 2206.14244's setup)
+LEROBOT_CORNER2_POS = (0.75, 0.075, 0.7)
 
 
 def parse_task(task: str) -> str:
@@ -142,7 +169,8 @@ class MetaWorldEnv(gym.Env):
 
     def __init__(self, task: str = "reach-v3", image_size: int = 128,
                  cameras: tuple[str, ...] = DEFAULT_CAMERAS, max_steps: int = 200, render: bool = True,
-                 task_seed: int = 0):
+                 task_seed: int = 0, state: str = "full", randomize: bool = False, view: str = "metaworld",
+                 expert: bool = False):
         from metaworld.env_dict import ALL_V3_ENVIRONMENTS
 
         self.task_name = parse_task(task)
@@ -154,6 +182,12 @@ class MetaWorldEnv(gym.Env):
                              f"unknown: {unknown}")
         if image_size < 1 or max_steps < 1:
             raise ValueError(f"metaworld: image_size and max_steps must be >= 1, got {image_size}, {max_steps}")
+        if state not in ("full", "ee"):
+            raise ValueError(f"metaworld option state: 'full' (39-D) or 'ee' (hand xyz + gripper), got {state!r}")
+        if view not in ("metaworld", "lerobot"):
+            raise ValueError(f"metaworld option view: 'metaworld' or 'lerobot' (corner2 moved as LeRobot's), "
+                             f"got {view!r}")
+        self.state_kind, self.randomize = state, bool(randomize)
         self.image_size, self.cameras, self.max_steps = int(image_size), tuple(cameras), int(max_steps)
         self.do_render, self.task_seed = bool(render), int(task_seed)
         self.instruction = INSTRUCTIONS[self.task_name]
@@ -162,6 +196,14 @@ class MetaWorldEnv(gym.Env):
         self._env = ALL_V3_ENVIRONMENTS[self.task_name](width=self.image_size, height=self.image_size)
         self._env.max_path_length = 2**31  # we truncate at max_steps; Meta-World would raise past its own horizon
         model = self._env.model
+        if view == "lerobot":
+            model.cam_pos[mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, "corner2")] = LEROBOT_CORNER2_POS
+        self._expert = None
+        if expert:
+            from metaworld.policies import ENV_POLICY_MAP
+
+            self._expert = ENV_POLICY_MAP[self.task_name]()
+        self._raw: np.ndarray | None = None  # the full state, for the expert (never returned with state "ee")
         model.vis.quality.shadowsize = 0
         model.vis.quality.offsamples = 0
         self._cam_ids = {c: mujoco.mj_name2id(model, mujoco.mjtObj.mjOBJ_CAMERA, CAMERA_ALIASES.get(c, c))
@@ -169,8 +211,9 @@ class MetaWorldEnv(gym.Env):
         self._flip: dict[str, bool] = {}
         self._renderer = None
         self.action_space = gym.spaces.Box(-1.0, 1.0, (ACTION_SPACE.dim,), np.float32)
+        dim = STATE_DIM if state == "full" else len(EE_STATE_NAMES)
         self.observation_space = observation_space(
-            self.cameras, self.image_size, gym.spaces.Box(-STATE_BOUND, STATE_BOUND, (STATE_DIM,), np.float32))
+            self.cameras, self.image_size, gym.spaces.Box(-STATE_BOUND, STATE_BOUND, (dim,), np.float32))
         self.steps = 0
         self.variation: int | None = None
 
@@ -205,10 +248,15 @@ class MetaWorldEnv(gym.Env):
         super().reset(seed=seed)
         self.variation = int(self.np_random.integers(len(self._variations)))
         self._env.set_task(self._variations[self.variation])
+        # set_task freezes the positions to the variation's; randomize draws them at each reset instead,
+        # from Meta-World's own RNG (seeded from ours, so a seed still gives one episode)
+        self._env._freeze_rand_vec = not self.randomize
+        self._env.seeded_rand_vec = True  # else Meta-World draws them from numpy's global RNG, unseeded
         self._env.seed(int(self.np_random.integers(2**31)))  # Meta-World's own RNG, derived from ours
         obs, _ = self._env.reset()
         self.steps = 0
-        return self._obs(obs), {"is_success": False, "task": self.task_name, "variation": self.variation}
+        info = {"is_success": False, "task": self.task_name, "variation": -1 if self.randomize else self.variation}
+        return self._obs(obs), self._with_expert(info)
 
     def step(self, action):
         a = ACTION_SPACE.check(action)
@@ -220,7 +268,15 @@ class MetaWorldEnv(gym.Env):
         truncated = not success and self.steps >= self.max_steps
         out = {"is_success": success}
         out.update({k: float(v) for k, v in info.items() if k != "success" and np.isscalar(v)})
-        return self._obs(obs), float(reward), success, truncated, out
+        return self._obs(obs), float(reward), success, truncated, self._with_expert(out)
+
+    def _with_expert(self, info: dict) -> dict:
+        if self._expert is not None:  # what the scripted policy would do next, from the full state
+            with warnings.catch_warnings():  # its gains exceed [-1, 1] by design: it says so at every step
+                warnings.simplefilter("ignore", UserWarning)
+                action = self._expert.get_action(self._raw)
+            info["expert_action"] = np.clip(action, -1.0, 1.0).astype(np.float32)
+        return info
 
     def render(self):
         return self._render_images()[self.cameras[0]].transpose(1, 2, 0)
@@ -230,17 +286,24 @@ class MetaWorldEnv(gym.Env):
         self._env.close()
 
     def _obs(self, obs: np.ndarray) -> dict:
-        state = np.clip(np.asarray(obs, dtype=np.float32).reshape(STATE_DIM), -STATE_BOUND, STATE_BOUND)
+        self._raw = np.asarray(obs, dtype=np.float64).reshape(STATE_DIM)
+        state = np.clip(self._raw.astype(np.float32), -STATE_BOUND, STATE_BOUND)
+        if self.state_kind == "ee":
+            state = state[: len(EE_STATE_NAMES)].copy()
         return {"images": self._render_images(), "state": state,
                 "instruction": self.instruction}
 
 
 def make_metaworld_env(spec: EnvSpec) -> MetaWorldEnv:
-    """The `make_env` entry for backend 'metaworld'; options: render (bool), task_seed (int, default 0)."""
+    """The `make_env` entry for backend 'metaworld'; options: render (bool), task_seed (int, default 0),
+    state ("full" | "ee"), randomize (bool), view ("metaworld" | "lerobot"), expert (bool)."""
     unknown = set(spec.options) - OPTIONS
     if unknown:
         raise ValueError(f"env spec: unknown options {sorted(unknown)} for backend 'metaworld'; "
                          f"known: {sorted(OPTIONS)}")
-    return MetaWorldEnv(spec.task, spec.image_size, spec.cameras, spec.max_steps,
-                        render=spec.options.get("render", True), task_seed=spec.options.get("task_seed", 0))
+    o = spec.options
+    return MetaWorldEnv(spec.task, spec.image_size, spec.cameras, spec.max_steps, render=o.get("render", True),
+                        task_seed=o.get("task_seed", 0), state=o.get("state", "full"),
+                        randomize=bool(o.get("randomize", False)), view=o.get("view", "metaworld"),
+                        expert=bool(o.get("expert", False)))
 
