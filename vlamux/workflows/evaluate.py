@@ -102,10 +102,10 @@ def paired(before: dict, after: dict) -> dict:
             shared += 1
     if shared == 0:
         raise VlamuxError("paired: the two evaluations share no task evaluated on the same seeds")
-    return {"episodes": shared, "gained": gained, "lost": lost, "p_value": _mcnemar(gained, lost)}
+    return {"episodes": shared, "gained": gained, "lost": lost, "p_value": mcnemar(gained, lost)}
 
 
-def _mcnemar(b: int, c: int) -> float:
+def mcnemar(b: int, c: int) -> float:
     """Exact two-sided McNemar test: the discordant pairs split as a fair coin would."""
     n = b + c
     if n == 0:

@@ -1,0 +1,226 @@
+"""Meta-World MT50 through the service: one tenant per task on one shared backbone (issue 30).
+
+Stages, each resumable (a stage whose output exists is not redone; jobs resume from their checkpoints):
+  demos     each task's scripted expert (metaworld.policies), recorded through the environment service
+            as a LeRobot v3.0 dataset (vlamux.data.metaworld_demos: corner2 camera at --image-size, the
+            4-D state, positions drawn at random from each episode's seed, success-filtered)
+  mt10      the MT10 tasks' tenants isolated (one after another, fresh services each) and together, on
+            the same services: the multi-tenant saving on a real workload (--skip-mt10 to leave it out)
+  mt50      every task's tenant at once: SFT on its demonstrations, evaluated (--eval-episodes seeded
+            episodes), then PPO on its task with Meta-World's reward, validated on other seeds (the
+            better of start and end kept), evaluated again on the same seeds as after SFT
+and writes --out (bench/results/metaworld_mt50.json): per task, success after SFT and after RL with
+95% intervals and the paired test; per difficulty group (LeRobot's: 28 easy, 11 medium, 6 hard,
+5 very hard) and over all tasks, with a paired test pooled over every task's episodes; wall and
+service-busy times; MT10's isolated vs multi-tenant times.
+
+    python scripts/experiments/metaworld_mt50.py                 # MT50, the stated budgets below
+    python scripts/experiments/metaworld_mt50.py --tasks mt10    # ten tasks
+    python scripts/experiments/metaworld_mt50.py --quick         # two tasks end to end, tiny budgets (the suite)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from vlamux.data.metaworld_demos import CAMERA, record, spec as env_spec
+from vlamux.envs.metaworld import DIFFICULTY, MT10_TASKS, MT50_TASKS, parse_task
+from vlamux.experiments.multi_tenant import run
+from vlamux.utils.io import atomic_write_text
+from vlamux.workflows.evaluate import mcnemar, wilson
+
+QUICK_TASKS = ("reach-v3", "drawer-close-v3")
+DEMO_MAX_STEPS = 500  # Meta-World's own horizon: the experts' demonstrations are never cut short
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", default="mt50", help="mt50, mt10 or comma-separated task names")
+    ap.add_argument("--quick", action="store_true", help="two tasks, tiny budgets: the plumbing end to end")
+    ap.add_argument("--workdir", default="runs/metaworld_mt50")
+    ap.add_argument("--data", default="data/metaworld", help="where the demonstrations go (one dataset a task)")
+    ap.add_argument("--out", default="bench/results/metaworld_mt50.json")
+    ap.add_argument("--backbone", default="tiny", help="a preset, shipped weights or a model directory")
+    ap.add_argument("--demos", type=int, default=50, help="successful expert episodes a task")
+    ap.add_argument("--image-size", type=int, default=64)
+    ap.add_argument("--max-steps", type=int, default=200,
+                    help="an episode's steps in RL and evaluation (the experts need 40-150)")
+    ap.add_argument("--sft-steps", type=int, default=2000)
+    ap.add_argument("--rl-env-steps", type=int, default=20000, help="each tenant's RL budget (0: SFT only)")
+    ap.add_argument("--eval-episodes", type=int, default=10, help="seeded episodes a task (LeRobot: 10)")
+    ap.add_argument("--validation-episodes", type=int, default=10)
+    ap.add_argument("--lora-rank", type=int, default=0, help="a LoRA of this rank on the backbone a tenant (0: none)")
+    ap.add_argument("--skip-mt10", action="store_true", help="no isolated vs multi-tenant comparison")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args(argv)
+    if args.quick:
+        # every stage once, on the fewest simulator sessions (each evaluation opens one: 2-4 s of workers
+        # importing Meta-World); validation is shown by tests/test_rl_validation.py
+        args.tasks, args.demos, args.image_size, args.max_steps = ",".join(QUICK_TASKS), 2, 16, 40
+        args.sft_steps, args.rl_env_steps, args.eval_episodes, args.validation_episodes = 4, 32, 2, 0
+    for flag in ("demos", "image_size", "max_steps", "sft_steps", "eval_episodes"):
+        if getattr(args, flag) < 1:
+            ap.error(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
+    try:
+        args.task_list = tasks_of(args.tasks)
+    except ValueError as e:
+        ap.error(f"--tasks: {e}")
+    return args
+
+
+def tasks_of(arg: str) -> list[str]:
+    if arg.lower() in ("mt50", "mt10"):
+        return list(MT50_TASKS if arg.lower() == "mt50" else MT10_TASKS)
+    return [parse_task(t.strip().removeprefix("metaworld/")) for t in arg.split(",") if t.strip()]
+
+
+def ensure_demos(args, tasks: list[str]) -> dict[str, Path]:
+    """Each task's dataset, recorded once (one environment service for all of them)."""
+    from vlamux.services.environment import EnvironmentService
+
+    root = Path(args.data) / f"{args.image_size}px-{args.demos}ep"
+    out = {t: root / t for t in tasks}
+    missing = [t for t in tasks if not (out[t] / "meta" / "vlamux_recording.json").exists()]
+    if missing:
+        t0 = time.monotonic()
+        with EnvironmentService() as svc:
+            for i, t in enumerate(missing):
+                r = record(t, args.demos, out[t], image_size=args.image_size, max_steps=DEMO_MAX_STEPS,
+                           n_envs=4 if args.demos >= 4 else args.demos, service=svc, overwrite=True)
+                print(f"  demos {i + 1}/{len(missing)} {t}: {r['episodes']} episodes, {r['frames']} frames, "
+                      f"{len(r['failed_seeds'])} failed ({time.monotonic() - t0:.0f}s)", flush=True)
+    return out
+
+
+def job_specs(args, tasks: list[str], demos: dict[str, Path]) -> list[dict]:
+    env = env_spec("reach-v3", args.image_size, args.max_steps, randomize=True, expert=False)
+    head = {"kind": "gaussian", "action_dim": 4, "state_dim": 4, "horizon": 8}
+    if args.lora_rank:
+        head["adapter"] = {"kind": "lora", "rank": args.lora_rank, "alpha": 2.0 * args.lora_rank,
+                           "target_modules": ["qkv", "proj", "mlp.0", "mlp.2"]}
+    out = []
+    for t in tasks:
+        e = {"backend": "metaworld", "task": t, "image_size": env.image_size, "cameras": [CAMERA],
+             "max_steps": env.max_steps, "n_action_steps": 4, "options": {**env.options}}
+        sft = {"dataset": str(demos[t]), "camera_map": {f"observation.images.{CAMERA}": CAMERA},
+               "steps": args.sft_steps, "batch_size": 64, "lr": 1e-3, "schedule": "cosine",
+               "warmup_steps": min(100, max(1, args.sft_steps // 10))}
+        ev = {"episodes": args.eval_episodes, "n_envs": min(10, args.eval_episodes), "env": e, "before": False}
+        spec = {"name": f"mw-{t}", "tenant": f"mw-{t}", "head": head, "optimizer": {"lr": 1e-3},
+                "checkpoint_every": 500, "sft": sft}
+        if args.rl_env_steps:
+            episode_chunks = -(-args.max_steps // 4)
+            spec.update(kind="rl", eval={**ev, "validation_episodes": args.validation_episodes},
+                        rl={"env": e, "algorithm": "ppo", "mode": "sync", "env_steps": args.rl_env_steps,
+                            "n_envs": 4, "sub_batches": 2, "segment_steps": episode_chunks, "minibatch_rows": 64,
+                            "epochs": 4, "lr": 3e-5, "max_staleness": 8, "critic_warmup": 3})
+        else:
+            spec.update(kind="sft", eval=ev)
+        out.append(spec)
+    return out
+
+
+def _evaluation(e: dict) -> dict:
+    [task] = e["tasks"].values()
+    return {"success": task["rate"], "ci95": list(task["ci95"]), "episodes": task["episodes"],
+            "successes": task["successes"], "outcomes": task["outcomes"]}
+
+
+def per_task(results: dict) -> dict:
+    out = {}
+    for name, r in results.items():
+        t = name.removeprefix("mw-")
+        row = {"difficulty": next(g for g, ts in DIFFICULTY.items() if t in ts), "wall_s": r.get("wall_s")}
+        if "after_sft" in r:  # an RL job: after SFT, then after RL on the same seeds
+            row.update(after_sft=_evaluation(r["after_sft"]), after_rl=_evaluation(r["after"]), paired=r["paired"],
+                       rl_env_steps=r["rl"]["env_steps"], kept=r.get("validation", {}).get("kept"))
+        else:
+            row.update(after_sft=_evaluation(r["after"]))
+        out[t] = row
+    return out
+
+
+def pooled(rows: list[dict]) -> dict:
+    """Success over every episode of the rows, after SFT and after RL, and RL's pooled paired test."""
+    out = {"tasks": len(rows)}
+    for key in ("after_sft", "after_rl"):
+        have = [r[key] for r in rows if key in r]
+        if have:
+            s, n = sum(e["successes"] for e in have), sum(e["episodes"] for e in have)
+            out[key] = {"success": s / n, "ci95": list(wilson(s, n)), "episodes": n,
+                        "task_mean": sum(e["success"] for e in have) / len(have)}
+    if all("paired" in r for r in rows) and rows:
+        g, lost = sum(r["paired"]["gained"] for r in rows), sum(r["paired"]["lost"] for r in rows)
+        out["paired"] = {"gained": g, "lost": lost, "p_value": mcnemar(g, lost)}
+    return out
+
+
+def summary(results: dict) -> dict:
+    rows = per_task(results)
+    groups = {g: pooled([rows[t] for t in ts if t in rows]) for g, ts in DIFFICULTY.items()}
+    return {"tasks": rows, "by_difficulty": {g: v for g, v in groups.items() if v["tasks"]},
+            "all": pooled(list(rows.values()))}
+
+
+def _times(r: dict) -> dict:
+    return {k: r[k] for k in ("wall_s", "train_util", "infer_util", "busy_s", "device", "dtype") if k in r}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out_path, workdir = Path(args.out), Path(args.workdir)
+    doc = json.loads(out_path.read_text()) if out_path.exists() and not args.quick else {}
+    config = {k: v for k, v in vars(args).items() if k not in ("task_list", "out")}
+    doc.update(config=config, task_names=args.task_list, env={"camera": CAMERA, "state": "hand xyz + gripper (4)",
+               "positions": "random at each reset, from the episode's seed", "reward": "Meta-World's shaped reward",
+               "success": "info['success']"})
+
+    def save() -> None:
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out_path, json.dumps(doc, indent=1, default=str) + "\n")
+
+    t0 = time.monotonic()
+    print(f"Meta-World: {len(args.task_list)} tasks; demos {args.demos} a task at {args.image_size}px", flush=True)
+    demos = ensure_demos(args, args.task_list)
+    doc["demos"] = {t: {k: v for k, v in json.loads((p / "meta" / "vlamux_recording.json").read_text()).items()
+                        if k in ("episodes", "frames", "failed_seeds", "seconds")} for t, p in demos.items()}
+    save()
+    place = {"backbone": args.backbone, "device": args.device, "dtype": args.dtype}
+    subset = [t for t in args.task_list if t in MT10_TASKS] if not args.quick else args.task_list
+    if not args.skip_mt10 and subset and "mt10" not in doc:
+        specs = job_specs(args, subset, demos)
+        print(f"\n== MT10 ({len(subset)} tasks): isolated, one after another ==", flush=True)
+        iso = run(specs, "isolated", workdir / "mt10", **place)
+        print(f"   wall {iso['wall_s']:.0f}s, training busy {iso['train_util']:.1%}\n== MT10: together ==", flush=True)
+        multi = run(specs, "multi", workdir / "mt10", **place)
+        doc["mt10"] = {"tasks": subset, "isolated": _times(iso), "multi": _times(multi),
+                       "reduction": 1 - multi["wall_s"] / iso["wall_s"],
+                       "train_util": [iso["train_util"], multi["train_util"]],
+                       "isolated_results": summary(iso["jobs"])["all"], "multi_results": summary(multi["jobs"])["all"]}
+        print(f"   wall {multi['wall_s']:.0f}s, training busy {multi['train_util']:.1%}: "
+              f"{doc['mt10']['reduction']:.1%} less time", flush=True)
+        save()
+    print(f"\n== all {len(args.task_list)} tenants at once ==", flush=True)
+    multi = run(job_specs(args, args.task_list, demos), "multi", workdir / "all", **place)
+    doc.update(summary(multi["jobs"]), multi=_times(multi), wall_s=time.monotonic() - t0)
+    save()
+    a = doc["all"]
+    line = f"after SFT {a['after_sft']['success']:.3f} ({a['after_sft']['episodes']} episodes)"
+    if "after_rl" in a:
+        line += f", after RL {a['after_rl']['success']:.3f}, paired +{a['paired']['gained']} -{a['paired']['lost']}, " \
+                f"p = {a['paired']['p_value']:.2g}"
+    print(f"\nall tasks: {line}")
+    for g, v in doc["by_difficulty"].items():
+        print(f"  {g:10s} {v['tasks']:2d} tasks: after SFT {v['after_sft']['success']:.3f}"
+              + (f", after RL {v['after_rl']['success']:.3f}" if "after_rl" in v else ""))
+    print(f"wrote {out_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
