@@ -1,5 +1,5 @@
 """An RL job's validation (eval.validation_episodes): its start and end policies on seeds of their own,
-the better kept, so a job never hands back a policy that validated below the one RL started from."""
+RL's kept only where it validated higher, so a job never hands back a policy that validated below the one RL started from."""
 
 import json
 
@@ -48,7 +48,7 @@ class ScriptedValidation(MasterService):
         return out
 
 
-@pytest.mark.parametrize("start, rl, kept", [(1.0, 0.0, "start"), (0.5, 0.5, "rl")])
+@pytest.mark.parametrize("start, rl, kept", [(1.0, 0.0, "start"), (0.5, 0.5, "start"), (0.5, 1.0, "rl")])
 def test_an_rl_job_keeps_the_policy_that_validated_better(runtime, tmp_path, start, rl, kept):
     seen = tmp_path / "seen_start.safetensors"
     master = ScriptedValidation(runtime, tmp_path / "jobs", [start, rl], seen)

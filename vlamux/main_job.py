@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         if "validation" in r:  # selected on other seeds than the table's: the table stays unbiased
             v, first = r["validation"], next(iter(r["validation"]["rl"]["tasks"].values()))
             print(f"  {'':14s} validation ({first['episodes']} episodes from seed {first['seed']:,}): start {v['start']['success']:.2f}, RL's "
-                  f"{v['rl']['success']:.2f} -> kept {'the start (RL validated lower)' if v['kept'] == 'start' else 'RL'}")
+                  f"{v['rl']['success']:.2f} -> kept {'RL' if v['kept'] == 'rl' else 'the start (RL validated no higher)'}")
     low = [n for n, r in multi["jobs"].items() if r["after"]["success"] < 0.70]
     print(f"  every tenant ends at >= 70% over {budget.eval_episodes} episodes" if not low else
           f"  below 70% over {budget.eval_episodes} episodes: {', '.join(low)}")

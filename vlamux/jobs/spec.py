@@ -42,8 +42,8 @@ class EvalSpec:
     before: bool = True  # evaluate before training too (the "before" of before/after)
     env: EnvSpec | None = None  # default: the job's RL env
     # An RL job: episodes on seeds of their own (validation_seed + k, none of the evaluation's), run on
-    # the policy RL starts from and on the one it ends with; the job keeps the one that validates better
-    # (RL's on a tie), so it never hands back a policy that did worse there than its start. 0: off.
+    # the policy RL starts from and on the one it ends with; the job keeps RL's only where it validates
+    # higher (a tie keeps the start), so it never hands back a policy that did worse there. 0: off.
     validation_episodes: int = bounded(0, 0, 10**5)
     validation_seed: int = bounded(5_000_000, 0, SEED_MAX)
 
