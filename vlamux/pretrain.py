@@ -10,6 +10,12 @@ can be reproduced:
 
     python -m vlamux.pretrain --out vlamux/assets/tiny-tabletop.safetensors
 
+It pretrains on recorded LeRobot datasets instead with --datasets (a glob; every dataset with the same
+cameras, state and action features), e.g. the Meta-World experts' demonstrations of every MT50 task:
+
+    python -m vlamux.pretrain --datasets 'data/metaworld/64px-50ep/*' \
+        --camera-map '{"observation.images.corner2": "corner2"}' --out runs/metaworld-backbone.safetensors
+
 Nothing here runs at service time; the services load the result through
 `BackboneSpec(preset="tiny", weights=...)`.
 """
@@ -17,6 +23,8 @@ Nothing here runs at service time; the services load the result through
 from __future__ import annotations
 
 import argparse
+import glob
+import json
 import math
 import sys
 import time
@@ -26,6 +34,7 @@ import numpy as np
 import torch
 
 from vlamux.model import BackboneSpec, HeadSpec, build_backbone, canonicalize, save_backbone
+from vlamux.model.normalize import NormStats
 from vlamux.model.backbones.builtin import PRESETS, BuiltinBackbone
 from vlamux.model.heads import build_head
 from vlamux.utils.seeding import seeded
@@ -56,46 +65,64 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default="data/demos/pretrain")
     ap.add_argument("--out", default="vlamux/assets/tiny-tabletop.safetensors")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--datasets", default=None,
+                    help="a glob of LeRobot dataset directories to pretrain on (default: the built-in suites' demos)")
+    ap.add_argument("--camera-map", default=None,
+                    help="with --datasets: JSON mapping the datasets' camera keys to the backbone's camera names")
     args = ap.parse_args(argv)
+    if bool(args.datasets) != bool(args.camera_map):
+        ap.error("--datasets and --camera-map go together")
     if args.threads:
         torch.set_num_threads(args.threads)
     from vlamux.data import ChunkSampler, LeRobotDataset
     from vlamux.data.demos import generate
-    from vlamux.envs.tabletop.env import ACTION_SPACE, STATE_NAMES
 
-    tasks = suite_tasks(args.suites.split(","))
-    root = Path(args.data) / f"{args.suites.replace(',', '-')}-{args.episodes}-{args.image_size}px"
-    if not (root / "meta" / "info.json").exists():
-        print(f"generating {args.episodes} expert episodes for each of {len(tasks)} tasks -> {root}", flush=True)
-        generate(tasks, args.episodes, root, image_size=args.image_size, workers=2, progress=None)
-    dataset = LeRobotDataset(root)
-    sampler = ChunkSampler(dataset, args.horizon, args.batch, CAMERAS, seed=args.seed)
-    stats = sampler.norm_stats("mean_std")
+    if args.datasets:
+        roots = sorted(Path(p) for p in glob.glob(args.datasets) if (Path(p) / "meta" / "info.json").exists())
+        if not roots:
+            ap.error(f"--datasets: no LeRobot dataset matches {args.datasets!r}")
+        camera_map = json.loads(args.camera_map)
+        tasks = [r.name for r in roots]
+    else:
+        tasks = suite_tasks(args.suites.split(","))
+        root = Path(args.data) / f"{args.suites.replace(',', '-')}-{args.episodes}-{args.image_size}px"
+        if not (root / "meta" / "info.json").exists():
+            print(f"generating {args.episodes} expert episodes for each of {len(tasks)} tasks -> {root}", flush=True)
+            generate(tasks, args.episodes, root, image_size=args.image_size, workers=2, progress=None)
+        roots, camera_map = [root], CAMERAS
+    datasets = [LeRobotDataset(r) for r in roots]
+    samplers = [ChunkSampler(d, args.horizon, args.batch, camera_map, seed=args.seed) for d in datasets]
     # Where each episode's gripper ends (normalised): for touch, lift and push alike, a point the
     # instruction picks out in the image. Predicting it from the query tokens is what makes the
     # backbone bind words to objects; behaviour cloning alone did not (docs/RESULTS.md).
     state_key = "observation.state"
-    ends = torch.tensor(np.stack([np.asarray(dataset.episode_array(e, state_key), np.float32)[-1, :3]
-                                  for e in range(dataset.num_episodes)]))
+    ends = torch.tensor(np.stack([np.asarray(d.episode_array(e, state_key), np.float32)[-1, :3]
+                                  for d in datasets for e in range(d.num_episodes)]))
     ends = (ends - ends.mean(0)) / ends.std(0).clamp_min(1e-6)
+    action_dim, state_dim = (int(datasets[0].feature(k)["shape"][0]) for k in ("action", state_key))
 
     with seeded(args.seed):
         backbone = BuiltinBackbone(PRESETS[args.preset], f"builtin-{args.preset}-pretrained")
-        head = build_head(HeadSpec("l1_chunk", ACTION_SPACE.dim, args.horizon, len(STATE_NAMES), width=128, depth=2),
+        head = build_head(HeadSpec("l1_chunk", action_dim, args.horizon, state_dim, width=128, depth=2),
                           backbone.meta.hidden_dim)
         aux = torch.nn.Linear(backbone.meta.hidden_dim, 3)
     params = list(backbone.parameters()) + list(head.parameters()) + list(aux.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.01)
-    print(f"pretraining {args.preset} ({sum(p.numel() for p in backbone.parameters()) / 1e6:.2f}M) with an "
-          f"l1_chunk head on {len(tasks)} tasks, {sampler.num_samples} samples, {args.steps} steps", flush=True)
     t0, epoch, it = time.time(), 0, None
     gen = torch.Generator().manual_seed(args.seed)
     n_query = backbone.meta.n_query
-    data = _preload(sampler)
-    print(f"  preloaded {len(data['episode'])} frames in {time.time() - t0:.0f}s", flush=True)
+    data = _concat([_preload(s) for s in samplers])
+    n = len(data["episode"])
+    # one dataset: its own statistics (what the shipped weights were made with); several: over them all
+    stats = samplers[0].norm_stats("mean_std") if len(samplers) == 1 else \
+        {"action": NormStats.from_data(data["actions"][data["mask"]], "mean_std"),
+         "state": NormStats.from_data(data["state"], "mean_std")}
+    print(f"pretraining {args.preset} ({sum(p.numel() for p in backbone.parameters()) / 1e6:.2f}M) with an "
+          f"l1_chunk head on {len(tasks)} tasks, {n} samples (preloaded in {time.time() - t0:.0f}s), "
+          f"{args.steps} steps", flush=True)
     for step in range(1, args.steps + 1):
         if it is None or len(it) < args.batch:  # a new epoch: a fresh permutation, seeded
-            it, epoch = sampler.order(epoch).tolist(), epoch + 1
+            it, epoch = np.random.default_rng([args.seed, epoch]).permutation(n).tolist(), epoch + 1
         idx, it = it[:args.batch], it[args.batch:]
         batch = _batch(data, idx)
         obs, actions, mask = batch
@@ -103,7 +130,7 @@ def main(argv=None) -> int:
             g["lr"] = args.lr * min(1.0, step / max(1, args.warmup)) * 0.5 * (1 + math.cos(math.pi * step / args.steps))
         cb = canonicalize(obs, backbone.schema, backbone.tokenizer, "cpu", torch.float32)
         feature = backbone.forward_group([cb])[0]
-        state = stats["state"].normalize(obs.state) if stats.get("state") is not None else None
+        state = stats["state"].normalize(obs.state)
         bc, _ = head.loss(feature, state, stats["action"].normalize(actions), mask, gen)
         target = ends[data["episode"][idx]]
         grounding = torch.nn.functional.mse_loss(aux(feature.hidden[:, :n_query].mean(1)), target)
@@ -142,6 +169,17 @@ def _preload(sampler, chunk: int = 512) -> dict:
         out[k] = torch.cat(out[k])
     out["episode"] = torch.tensor(out["episode"])
     return out
+
+
+def _concat(parts: list[dict]) -> dict:
+    """Several datasets' preloaded frames as one, each episode numbered after the previous datasets'."""
+    if len(parts) == 1:
+        return parts[0]
+    offsets = np.cumsum([0] + [int(p["episode"].max()) + 1 for p in parts[:-1]])
+    return {"images": {k: torch.cat([p["images"][k] for p in parts]) for k in parts[0]["images"]},
+            "instruction": [x for p in parts for x in p["instruction"]],
+            **{k: torch.cat([p[k] for p in parts]) for k in ("state", "actions", "mask")},
+            "episode": torch.cat([p["episode"] + int(o) for p, o in zip(parts, offsets)])}
 
 
 def _batch(data: dict, idx: list[int]):
