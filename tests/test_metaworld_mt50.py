@@ -28,20 +28,23 @@ def _script():
 def test_quick_mode_runs_two_tasks_end_to_end(tmp_path):
     mt50 = _script()
     out = tmp_path / "mt50.json"
-    assert mt50.main(["--quick", "--workdir", str(tmp_path / "runs"), "--data", str(tmp_path / "data"),
-                      "--out", str(out), "--device", "cpu", "--dtype", "float32"]) == 0
+    # the pretrained variant: the backbone trained on both tasks' demonstrations first, then shared
+    assert mt50.main(["--quick", "--pretrain-steps", "2", "--workdir", str(tmp_path / "runs"), "--data",
+                      str(tmp_path / "data"), "--out", str(out), "--device", "cpu", "--dtype", "float32"]) == 0
     doc = json.loads(out.read_text())
-    assert doc["task_names"] == list(mt50.QUICK_TASKS)
+    assert doc["task_names"] == list(mt50.QUICK_TASKS) and list(doc["variants"]) == ["pretrained"]
+    run = doc["variants"]["pretrained"]
+    assert run["backbone"].startswith("tiny:") and (tmp_path / "runs" / "pretrained" / "backbone.safetensors").exists()
     for task in mt50.QUICK_TASKS:
         assert doc["demos"][task]["episodes"] == 2
-        row = doc["tasks"][task]
+        row = run["tasks"][task]
         assert row["difficulty"] == "easy" and row["rl_env_steps"] >= 32
         for key in ("after_sft", "after_rl"):  # the same seeded episodes before and after RL
             assert row[key]["episodes"] == 2 and 0 <= row[key]["success"] <= 1 and len(row[key]["ci95"]) == 2
         assert row["paired"]["episodes"] == 2
-    assert doc["all"]["after_sft"]["episodes"] == 4 and "p_value" in doc["all"]["paired"]
-    assert set(doc["by_difficulty"]) == {"easy"}
-    mt10 = doc["mt10"]  # (the quick tasks are the subset: its multi-tenant run is the whole run)
+    assert run["all"]["after_sft"]["episodes"] == 4 and "p_value" in run["all"]["paired"]
+    assert set(run["by_difficulty"]) == {"easy"}
+    mt10 = run["mt10"]  # (the quick tasks are the subset: its multi-tenant run is the whole run)
     assert mt10["tasks"] == list(mt50.QUICK_TASKS) and mt10["isolated"]["wall_s"] > 0 and mt10["multi"]["wall_s"] > 0
     assert mt10["reduction"] == pytest.approx(1 - mt10["multi"]["wall_s"] / mt10["isolated"]["wall_s"])
     assert all(0 < u <= 1 for u in mt10["train_util"])

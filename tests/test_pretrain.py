@@ -7,6 +7,7 @@ import torch
 from demos import demo_dataset
 from vlamux import pretrain
 from vlamux.model import BackboneSpec, build_backbone
+from vlamux.model.backbones import spec_from_arg
 
 
 def test_pretraining_on_several_datasets_changes_the_backbone_and_loads(tmp_path):
@@ -21,6 +22,10 @@ def test_pretraining_on_several_datasets_changes_the_backbone_and_loads(tmp_path
     fresh = build_backbone(BackboneSpec(preset="tiny"))
     moved = [n for (n, a), (_, b) in zip(trained.named_parameters(), fresh.named_parameters()) if not torch.equal(a, b)]
     assert moved  # three steps of training moved the weights
+    named = build_backbone(spec_from_arg(f"tiny:{out}"))  # as a command line names it
+    assert named.backbone_id == trained.backbone_id
+    with pytest.raises(ValueError, match="no weights file"):
+        spec_from_arg(f"tiny:{tmp_path / 'missing.safetensors'}")
 
 
 def test_datasets_and_a_camera_map_go_together(tmp_path):

@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="vlamux/assets/tiny-tabletop.safetensors")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--datasets", default=None,
-                    help="a glob of LeRobot dataset directories to pretrain on (default: the built-in suites' demos)")
+                    help="LeRobot dataset directories to pretrain on, comma-separated globs (default: the built-in "
+                         "suites' demos)")
     ap.add_argument("--camera-map", default=None,
                     help="with --datasets: JSON mapping the datasets' camera keys to the backbone's camera names")
     args = ap.parse_args(argv)
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
     from vlamux.data.demos import generate
 
     if args.datasets:
-        roots = sorted(Path(p) for p in glob.glob(args.datasets) if (Path(p) / "meta" / "info.json").exists())
+        roots = sorted({Path(p) for pattern in args.datasets.split(",") for p in glob.glob(pattern.strip())
+                        if (Path(p) / "meta" / "info.json").exists()})
         if not roots:
             ap.error(f"--datasets: no LeRobot dataset matches {args.datasets!r}")
         camera_map = json.loads(args.camera_map)

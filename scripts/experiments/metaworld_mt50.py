@@ -4,6 +4,11 @@ Stages, each resumable (a stage whose output exists is not redone; jobs resume f
   demos     each task's scripted expert (metaworld.policies), recorded through the environment service
             as a LeRobot v3.0 dataset (vlamux.data.metaworld_demos: corner2 camera at --image-size, the
             4-D state, positions drawn at random from each episode's seed, success-filtered)
+  pretrain  with --pretrain-steps N: the shared backbone trained first on every task's demonstrations
+            (vlamux.pretrain --datasets: behaviour cloning with one l1_chunk head over all tasks, the
+            head then dropped), as a foundation model is before tenants fine-tune it; the tenants then
+            share it frozen. Without: the --backbone preset's random-initialised weights. Each variant
+            ("random", "pretrained") is a block of the result file of its own
   mt10      the MT10 tasks' tenants isolated (one after another, fresh services each) and together, on
             the same services: the multi-tenant saving on a real workload (--skip-mt10 to leave it out)
   mt50      every task's tenant at once: SFT on its demonstrations, evaluated (--eval-episodes seeded
@@ -55,6 +60,8 @@ def parse_args(argv=None):
     ap.add_argument("--validation-episodes", type=int, default=10)
     ap.add_argument("--lora-rank", type=int, default=0, help="a LoRA of this rank on the backbone a tenant (0: none)")
     ap.add_argument("--skip-mt10", action="store_true", help="no isolated vs multi-tenant comparison")
+    ap.add_argument("--pretrain-steps", type=int, default=0,
+                    help="pretrain the backbone on the demonstrations first, this many steps (0: no)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
@@ -63,6 +70,7 @@ def parse_args(argv=None):
         # importing Meta-World); validation is shown by tests/test_rl_validation.py
         args.tasks, args.demos, args.image_size, args.max_steps = ",".join(QUICK_TASKS), 2, 16, 40
         args.sft_steps, args.rl_env_steps, args.eval_episodes, args.validation_episodes = 4, 32, 2, 0
+        args.pretrain_steps = min(args.pretrain_steps, 2)
     for flag in ("demos", "image_size", "max_steps", "sft_steps", "eval_episodes"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
@@ -94,6 +102,24 @@ def ensure_demos(args, tasks: list[str]) -> dict[str, Path]:
                            n_envs=4 if args.demos >= 4 else args.demos, service=svc, overwrite=True)
                 print(f"  demos {i + 1}/{len(missing)} {t}: {r['episodes']} episodes, {r['frames']} frames, "
                       f"{len(r['failed_seeds'])} failed ({time.monotonic() - t0:.0f}s)", flush=True)
+    return out
+
+
+def pretrained_backbone(args, demos: dict[str, Path], workdir: Path) -> Path:
+    """The backbone pretrained on every task's demonstrations (made once; vlamux.pretrain)."""
+    from vlamux import pretrain
+
+    out = workdir / "backbone.safetensors"
+    if not out.exists():
+        print(f"\n== pretraining the backbone on {len(demos)} tasks' demonstrations, {args.pretrain_steps} steps ==",
+              flush=True)
+        rc = pretrain.main(["--datasets", ",".join(str(p) for p in demos.values()),
+                            "--camera-map", json.dumps({f"observation.images.{CAMERA}": CAMERA}),
+                            "--preset", args.backbone, "--steps", str(args.pretrain_steps),
+                            "--warmup", str(min(300, max(1, args.pretrain_steps // 10))),
+                            "--batch", "8" if args.quick else "64", "--out", str(out)])
+        if rc != 0:
+            raise RuntimeError(f"pretraining the backbone failed ({rc})")
     return out
 
 
@@ -190,36 +216,41 @@ def main(argv=None) -> int:
     doc["demos"] = {t: {k: v for k, v in json.loads((p / "meta" / "vlamux_recording.json").read_text()).items()
                         if k in ("episodes", "frames", "failed_seeds", "seconds")} for t, p in demos.items()}
     save()
-    place = {"backbone": args.backbone, "device": args.device, "dtype": args.dtype}
+    variant = "pretrained" if args.pretrain_steps else "random"
+    vdoc, workdir = doc.setdefault("variants", {}).setdefault(variant, {}), workdir / variant
+    backbone = args.backbone
+    if args.pretrain_steps:
+        backbone = f"{args.backbone}:{pretrained_backbone(args, demos, workdir)}"
+    vdoc["backbone"] = backbone
+    place = {"backbone": backbone, "device": args.device, "dtype": args.dtype}
     subset = [t for t in args.task_list if t in MT10_TASKS] if not args.quick else args.task_list
     together = None  # the multi-tenant run of every task, where MT10's is that run already
-    if not args.skip_mt10 and subset and "mt10" not in doc:
+    if not args.skip_mt10 and subset and "mt10" not in vdoc:
         specs = job_specs(args, subset, demos)
-        print(f"\n== MT10 ({len(subset)} tasks): isolated, one after another ==", flush=True)
+        print(f"\n== MT10 ({len(subset)} tasks, {variant} backbone): isolated, one after another ==", flush=True)
         iso = run(specs, "isolated", workdir / "mt10", **place)
         print(f"   wall {iso['wall_s']:.0f}s, training busy {iso['train_util']:.1%}\n== MT10: together ==", flush=True)
         multi = run(specs, "multi", workdir / "mt10", **place)
-        doc["mt10"] = {"tasks": subset, "isolated": _times(iso), "multi": _times(multi),
-                       "reduction": 1 - multi["wall_s"] / iso["wall_s"],
-                       "train_util": [iso["train_util"], multi["train_util"]],
-                       "isolated_results": summary(iso["jobs"])["all"], "multi_results": summary(multi["jobs"])["all"]}
+        vdoc["mt10"] = {"tasks": subset, "isolated": _times(iso), "multi": _times(multi),
+                        "reduction": 1 - multi["wall_s"] / iso["wall_s"],
+                        "train_util": [iso["train_util"], multi["train_util"]],
+                        "isolated_results": summary(iso["jobs"])["all"], "multi_results": summary(multi["jobs"])["all"]}
         print(f"   wall {multi['wall_s']:.0f}s, training busy {multi['train_util']:.1%}: "
-              f"{doc['mt10']['reduction']:.1%} less time", flush=True)
+              f"{vdoc['mt10']['reduction']:.1%} less time", flush=True)
         save()
         together = multi if subset == args.task_list else None
     if together is None:
-        print(f"\n== all {len(args.task_list)} tenants at once ==", flush=True)
+        print(f"\n== all {len(args.task_list)} tenants at once ({variant} backbone) ==", flush=True)
         together = run(job_specs(args, args.task_list, demos), "multi", workdir / "all", **place)
-    multi = together
-    doc.update(summary(multi["jobs"]), multi=_times(multi), wall_s=time.monotonic() - t0)
+    vdoc.update(summary(together["jobs"]), multi=_times(together), wall_s=time.monotonic() - t0)
     save()
-    a = doc["all"]
+    a = vdoc["all"]
     line = f"after SFT {a['after_sft']['success']:.3f} ({a['after_sft']['episodes']} episodes)"
     if "after_rl" in a:
         line += f", after RL {a['after_rl']['success']:.3f}, paired +{a['paired']['gained']} -{a['paired']['lost']}, " \
                 f"p = {a['paired']['p_value']:.2g}"
-    print(f"\nall tasks: {line}")
-    for g, v in doc["by_difficulty"].items():
+    print(f"\nall tasks ({variant} backbone): {line}")
+    for g, v in vdoc["by_difficulty"].items():
         print(f"  {g:10s} {v['tasks']:2d} tasks: after SFT {v['after_sft']['success']:.3f}"
               + (f", after RL {v['after_rl']['success']:.3f}" if "after_rl" in v else ""))
     print(f"wrote {out_path}")

@@ -100,7 +100,8 @@ def _build_hf(spec: BackboneSpec, dtype: torch.dtype) -> Backbone:
 
 def spec_from_arg(value: str, vlm: str | None = None, **hf_options) -> BackboneSpec:
     """A backbone named on a command line: a built-in preset ("tiny"), shipped weights
-    ("tiny-tabletop"), a model directory (an hf VLM), or "lerobot:CKPT_DIR" (a LeRobot checkpoint's VLM,
+    ("tiny-tabletop"), a preset with a weights file ("tiny:runs/backbone.safetensors", as
+    `vlamux.pretrain` writes), a model directory (an hf VLM), or "lerobot:CKPT_DIR" (a LeRobot checkpoint's VLM,
     with `vlm` the directory of the VLM/tokenizer files it names by hub id)."""
     if value.startswith("lerobot:"):
         from vlamux.model.vla.checkpoint import LeRobotCheckpoint
@@ -115,6 +116,11 @@ def spec_from_arg(value: str, vlm: str | None = None, **hf_options) -> BackboneS
         return BackboneSpec(kind="lerobot", path=str(path), vlm=str(Path(vlm).expanduser()))
     if value in PRESETS:
         return BackboneSpec(preset=value)
+    preset, _, weights = value.partition(":")
+    if preset in PRESETS and weights:  # "tiny:runs/backbone.safetensors": a preset with weights of its own
+        if not Path(weights).expanduser().is_file():
+            raise ValueError(f"backbone {value!r}: no weights file {weights}")
+        return BackboneSpec(preset=preset, weights=str(Path(weights).expanduser()))
     if value in SHIPPED:
         return BackboneSpec(preset=value.split("-")[0], weights=value)
     if Path(value).expanduser().is_dir():
