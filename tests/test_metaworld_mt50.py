@@ -58,3 +58,4 @@ def test_task_lists_and_bad_arguments_are_named():
         mt50.parse_args(["--tasks", "reach-v9"])
     with pytest.raises(SystemExit):
         mt50.parse_args(["--sft-steps", "0"])
+    assert mt50.parse_args(["--demos-only", "--tasks", "mt10"]).demos_only

@@ -60,6 +60,7 @@ def parse_args(argv=None):
     ap.add_argument("--validation-episodes", type=int, default=10)
     ap.add_argument("--lora-rank", type=int, default=0, help="a LoRA of this rank on the backbone a tenant (0: none)")
     ap.add_argument("--skip-mt10", action="store_true", help="no isolated vs multi-tenant comparison")
+    ap.add_argument("--demos-only", action="store_true", help="record the demonstrations, then stop")
     ap.add_argument("--pretrain-steps", type=int, default=0,
                     help="pretrain the backbone on the demonstrations first, this many steps (0: no)")
     ap.add_argument("--device", default="auto")
@@ -216,6 +217,9 @@ def main(argv=None) -> int:
     doc["demos"] = {t: {k: v for k, v in json.loads((p / "meta" / "vlamux_recording.json").read_text()).items()
                         if k in ("episodes", "frames", "failed_seeds", "seconds")} for t, p in demos.items()}
     save()
+    if args.demos_only:
+        print(f"demonstrations of {len(demos)} tasks in {Path(args.data)}")
+        return 0
     variant = "pretrained" if args.pretrain_steps else "random"
     vdoc, workdir = doc.setdefault("variants", {}).setdefault(variant, {}), workdir / variant
     backbone = args.backbone
