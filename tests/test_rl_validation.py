@@ -70,3 +70,17 @@ def test_an_rl_job_keeps_the_policy_that_validated_better(runtime, tmp_path, sta
     assert same == (kept == "start")
     assert json.loads((tmp_path / "jobs" / name / "state.json").read_text())["phase"] == "rl-done"
     assert not (tmp_path / "jobs" / name / "rl_start.safetensors").exists()  # no file left behind
+
+
+def test_a_finished_job_resubmitted_keeps_its_choice(runtime, tmp_path):
+    """Submitted again once done (as after a restart during its last evaluation), the job neither trains
+    nor validates again: the choice it made stands, and its checkpoint is what it hands back."""
+    seen = tmp_path / "seen_start.safetensors"
+    master = ScriptedValidation(runtime, tmp_path / "jobs", [1.0, 0.0], seen)
+    first = master.wait(master.submit(_spec("again")), 300)
+    assert first.state == "succeeded", first.error
+    assert first.result["validation"]["kept"] == "start"
+    again = master.wait(master.submit(_spec("again")), 300)  # no scripted figures left: validating would fail
+    assert again.state == "succeeded", again.error
+    assert "rl" not in again.result and again.result["validation"]["kept"] == "start"
+    assert again.result["policy_version"] == first.result["policy_version"]

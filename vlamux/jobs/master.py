@@ -144,7 +144,7 @@ class MasterService:
             def keep(key: str, value) -> None:
                 result[key] = value
                 _write_json(partial, {k: v for k, v in result.items()
-                                      if k in ("before", "after_sft", "sft", "validation_start")})
+                                      if k in ("before", "after_sft", "sft", "validation_start", "validation")})
 
             if spec.eval is not None and spec.eval.before and resume is None:
                 keep("before", self._evaluate(job))
@@ -169,11 +169,12 @@ class MasterService:
                 keep("validation_start", self._evaluate(job, validation=True))
             if spec.kind == "rl" and not (resume and resume["phase"] == "rl-done"):
                 result["rl"] = self._rl(job, metrics, checkpoint, resume)
-            if validating:
-                result["validation"] = self._select(job, result.pop("validation_start"), start_file)
+            if validating and "validation" not in result:  # (a finished job resubmitted chose already)
+                keep("validation", self._select(job, result["validation_start"], start_file))
                 if result["validation"]["kept"] == "start":  # the job's newest checkpoint is what it keeps
                     done = json.loads(state_file.read_text())
                     checkpoint("rl-done", done["step"], done["env_steps"], segments=done.get("segments", 0))
+            result.pop("validation_start", None)  # in result["validation"]
             if spec.eval is not None:
                 result["after"] = self._evaluate(job)
                 start = result.get("after_sft") or result.get("before")
