@@ -1,4 +1,4 @@
-"""Meta-World demonstrations recorded through the environment service (vlamux.data.metaworld_demos):
+"""Meta-World demonstrations recorded through the environment service (vlamux.workflows.metaworld_demos):
 what is written is what the recorder saw, LeRobot's reader gives it back exactly, the state is the
 4-D one (nothing privileged), and replaying an episode's actions from its seed succeeds again."""
 
@@ -13,7 +13,7 @@ configure_gl()
 pytest.importorskip("metaworld")
 
 from vlamux.data.lerobot import LeRobotDataset  # noqa: E402
-from vlamux.data.metaworld_demos import CAMERA, TENANT, record, spec  # noqa: E402
+from vlamux.workflows.metaworld_demos import CAMERA, TENANT, record, spec  # noqa: E402
 from vlamux.envs.metaworld import INSTRUCTIONS, MetaWorldEnv  # noqa: E402
 from vlamux.services.environment import EnvironmentService  # noqa: E402
 

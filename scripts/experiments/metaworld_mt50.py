@@ -2,7 +2,7 @@
 
 Stages, each resumable (a stage whose output exists is not redone; jobs resume from their checkpoints):
   demos     each task's scripted expert (metaworld.policies), recorded through the environment service
-            as a LeRobot v3.0 dataset (vlamux.data.metaworld_demos: corner2 camera at --image-size, the
+            as a LeRobot v3.0 dataset (vlamux.workflows.metaworld_demos: corner2 camera at --image-size, the
             4-D state, positions drawn at random from each episode's seed, success-filtered)
   pretrain  with --pretrain-steps N: the shared backbone trained first on every task's demonstrations
             (vlamux.pretrain --datasets: behaviour cloning with one l1_chunk head over all tasks, the
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from vlamux.data.metaworld_demos import CAMERA, record, spec as env_spec
+from vlamux.workflows.metaworld_demos import CAMERA, record, spec as env_spec
 from vlamux.envs.metaworld import DIFFICULTY, MT10_TASKS, MT50_TASKS, parse_task
 from vlamux.experiments.multi_tenant import run
 from vlamux.utils.io import atomic_write_text

@@ -65,7 +65,7 @@ def demos(tasks, episodes, image_size, data_dir, name, workers, seed, overwrite)
 def _metaworld_demos(task, episodes, image_size, data_dir, name, workers, seed, overwrite) -> None:
     from tqdm.auto import tqdm
 
-    from vlamux.data.metaworld_demos import record
+    from vlamux.workflows.metaworld_demos import record
     from vlamux.envs.metaworld import parse_task
 
     try:
