@@ -92,13 +92,13 @@ def steps() -> list[Step]:
              "gaussian heads on base features: per-tenant loop vs one fused call (and vmap)"),
         Step("lora_groups", ["bench/lora_groups.py", "--backbone", "base", "--grid", "8:1,1:1,4:1", "--repeats", "3",
                              "--no-cap", *quick, *gpu],
-             ["bench/lora_groups.py", "--backbone", "tiny", "--grid", "2:1", "--repeats", "1", *none, *cpu], 35, 60,
+             ["bench/lora_groups.py", "--backbone", "tiny", "--grid", "2:1", "--repeats", "1", *none, *cpu], 32, 60,
              "base preset, rank-8 LoRA per tenant: serial vs one mixed group (the limit: a backward through base)"),
         Step("inference_serving",
              ["bench/inference_serving.py", "--preset", "base", "--sessions", "16,8,1", "--seconds", "1",
               "--limit-seconds", "0.2", *gpu],  # the no-op scheduler's cost is a CPU figure: skipped on a GPU
              ["bench/inference_serving.py", "--preset", "tiny", "--sessions", "2,1", "--seconds", "0.5",
-              "--limit-seconds", "0.2", *cpu], 35, 60,
+              "--limit-seconds", "0.2", *cpu], 32, 60,
              "base preset, closed-loop sessions: grouped service vs B=1, and the plain model's limit"),
         # issue 28's cell: ten thousand tenants on one replica, 200 slots resident on the GPU, 1,000 parked
         # in pinned host memory, the rest stored; the moves on the replica's page stream beside its groups
@@ -107,14 +107,14 @@ def steps() -> list[Step]:
                               "--rounds", "1", "--think-s", "0.25", *gpu],
              ["bench/many_tenants.py", "--tenants", "20,100", "--kinds", "heads", "--seconds", "1", "--rounds", "1",
               "--clients", "8", "--hot-clients", "2", "--resident-slots", "10", "--parked-slots", "20",
-              "--think-s", "0", "--backbone", "tiny", "--image-size", "32", *cpu], 20, 60,
+              "--think-s", "0", "--backbone", "tiny", "--image-size", "32", *cpu], 17, 60,
              "small backbone, Gaussian heads of 100 and 10,000 registered tenants, 64 Zipf clients: hot and "
              "cold latency, load waits against a plain forward and load"),
         Step("async_rl",
              ["bench/async_rl.py", "--preset", "base", "--env-steps", "1600", "--n-envs", "8", "--image-size", "64",
               "--threads", "4", "--placement", "shared", *gpu],  # on a GPU the services hold the GPU either way
              ["bench/async_rl.py", "--preset", "tiny", "--env-steps", "32", "--n-envs", "2", "--sub-batches", "1",
-              "--image-size", "32", "--placement", "shared", *cpu], 30, 50,
+              "--image-size", "32", "--placement", "shared", *cpu], 25, 50,
              "base preset, one tenant, 2 x 8 envs at 64 px: synchronous vs four-lane RL", renders=True),
         Step("multi_tenant",
              ["bench/multi_tenant.py", "--sft-steps", "80", "--warm-start-steps", "20", "--rl-env-steps", "600",
@@ -136,7 +136,7 @@ def steps() -> list[Step]:
         Step("hf_init", ["-m", "vlamux.cli", "backbone", "init", "--family", "qwen2_5_vl", "--size", "3b", "--out",
                          "{model}", "--overwrite", "--dtype", "bfloat16", "--device", "cuda"],
              ["-m", "vlamux.cli", "backbone", "init", "--family", "qwen2_5_vl", "--size", "tiny", "--out", "{model}",
-              "--overwrite"], 20, 30, "a random Qwen2.5-VL of the 3B model's shape, made on the GPU (7 GB written)",
+              "--overwrite"], 30, 30, "a random Qwen2.5-VL of the 3B model's shape, made on the GPU (7 GB written)",
              result=False),
         Step("group_batching_hf", [gb, "--backbone", "{model}", "--grid", "8:1,1:1", "--repeats", "3", "--no-cap",
                                    *quick, *gpu],
