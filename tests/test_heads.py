@@ -83,6 +83,35 @@ def test_bins_round_trip_and_clamp(n_bins):
     assert head.to_bins(outside).tolist() == [0, 0, n_bins - 1, n_bins - 1, n_bins - 1, 0]
 
 
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_bins_temperature_tempers_sampling_only(backbone, temperature):
+    spec, profile = SPECS["bins"]
+    f, obs, actions = features(backbone, profile, batch=4)
+    state = obs.state if spec.state_dim else None
+    torch.manual_seed(0)
+    plain = build_head(spec, backbone.meta.hidden_dim)
+    tempered = build_head(HeadSpec(**{**spec.__dict__, "options": {**spec.options, "temperature": temperature}}),
+                          backbone.meta.hidden_dim)
+    tempered.load_state_dict(plain.state_dict())
+    mask = torch.ones(4, spec.horizon, dtype=torch.bool)
+    with torch.no_grad():
+        # SFT's loss and the deterministic (served) policy do not depend on it
+        assert torch.equal(plain.loss(f, state, actions, mask)[0], tempered.loss(f, state, actions, mask)[0])
+        assert torch.equal(plain.sample(f, state, deterministic=True)["actions"],
+                           tempered.sample(f, state, deterministic=True)["actions"])
+        out = tempered.sample(f, state, generator=torch.Generator().manual_seed(1))
+        # the sampled chunk's log-probability is that of softmax(logits / T), computed apart
+        logits, _ = plain.logits(f, state)
+        expect = torch.log_softmax(logits / temperature, -1).gather(-1, out["bins"][..., None]).squeeze(-1).sum((-1, -2))
+        assert torch.allclose(out["log_prob"], expect, atol=TOL)
+        lp, ent, _ = tempered.evaluate(f, state, out["actions"], mask)
+        assert torch.allclose(lp, expect, atol=TOL)
+        p = torch.softmax(logits / temperature, -1)
+        assert torch.allclose(ent, -(p * p.log()).sum((-1, -2, -3)), atol=1e-4)
+        # and it is not the untempered distribution's
+        assert not torch.allclose(plain.evaluate(f, state, out["actions"], mask)[0], expect, atol=1e-3)
+
+
 def test_bins_rejects_too_few_bins():
     with pytest.raises(ValueError, match="n_bins"):
         build_head(HeadSpec("bins", 3, 2, options={"n_bins": 1}), 16)

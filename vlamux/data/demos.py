@@ -29,17 +29,22 @@ from vlamux.envs.render import configure_gl
 FPS = 10  # the tabletop control rate
 
 
-def features(image_size: int, cameras: tuple[str, ...], camera_dtype: str = "video") -> dict:
+def features(image_size: int, cameras: tuple[str, ...], camera_dtype: str = "video", state_names=None,
+             action_names=None) -> dict:
     """The dataset's features; cameras as "video" (mp4, LeRobot's default) or "image" (PNG in the
-    parquet files: no video decoder needed to read them)."""
-    from vlamux.envs.tabletop.env import ACTION_SPACE, STATE_NAMES
+    parquet files: no video decoder needed to read them). State and action names: the built-in
+    suite's unless given (another suite's recorder names its own)."""
+    if state_names is None or action_names is None:
+        from vlamux.envs.tabletop.env import ACTION_SPACE, STATE_NAMES
 
+        state_names = STATE_NAMES if state_names is None else state_names
+        action_names = ACTION_SPACE.names if action_names is None else action_names
     if camera_dtype not in ("video", "image"):
         raise ValueError(f"camera_dtype: expected 'video' or 'image', got {camera_dtype!r}")
     out = {f"observation.images.{c}": {"dtype": camera_dtype, "shape": [image_size, image_size, 3],
                                        "names": ["height", "width", "channels"]} for c in cameras}
-    out["observation.state"] = {"dtype": "float32", "shape": [len(STATE_NAMES)], "names": list(STATE_NAMES)}
-    out["action"] = {"dtype": "float32", "shape": [ACTION_SPACE.dim], "names": list(ACTION_SPACE.names)}
+    out["observation.state"] = {"dtype": "float32", "shape": [len(state_names)], "names": list(state_names)}
+    out["action"] = {"dtype": "float32", "shape": [len(action_names)], "names": list(action_names)}
     out["next.reward"] = {"dtype": "float32", "shape": [1], "names": None}
     out["next.success"] = {"dtype": "bool", "shape": [1], "names": None}
     return out

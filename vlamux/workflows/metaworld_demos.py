@@ -21,8 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
+from vlamux.data import demos
 from vlamux.data.lerobot_writer import LeRobotWriter
 from vlamux.envs.base import EnvSpec
+from vlamux.workflows.rollout import replace_rows
 
 FPS = 80  # Meta-World's control rate: 5 physics steps of 2.5 ms an action
 CAMERA = "corner2"
@@ -43,14 +45,8 @@ def spec(task: str, image_size: int = 128, max_steps: int = 500, randomize: bool
 def features(image_size: int, camera_dtype: str = "video") -> dict:
     from vlamux.envs.metaworld import ACTION_SPACE, EE_STATE_NAMES
 
-    if camera_dtype not in ("video", "image"):
-        raise ValueError(f"camera_dtype: expected 'video' or 'image', got {camera_dtype!r}")
-    return {f"observation.images.{CAMERA}": {"dtype": camera_dtype, "shape": [image_size, image_size, 3],
-                                             "names": ["height", "width", "channels"]},
-            "observation.state": {"dtype": "float32", "shape": [len(EE_STATE_NAMES)], "names": list(EE_STATE_NAMES)},
-            "action": {"dtype": "float32", "shape": [ACTION_SPACE.dim], "names": list(ACTION_SPACE.names)},
-            "next.reward": {"dtype": "float32", "shape": [1], "names": None},
-            "next.success": {"dtype": "bool", "shape": [1], "names": None}}
+    return demos.features(image_size, (CAMERA,), camera_dtype, state_names=EE_STATE_NAMES,
+                          action_names=ACTION_SPACE.names)
 
 
 class _Episode:
@@ -119,10 +115,8 @@ def record(task: str, episodes: int, out: str | Path, *, image_size: int = 128, 
                     if alive.any() and ended.any():  # finished envs idle in a throwaway episode
                         idle = np.flatnonzero(ended).tolist()
                         fresh, fresh_infos = svc.reset(TENANT, sid, seed=2**30 + round_seed, indices=idle)
+                        obs = replace_rows(obs, idle, fresh)
                         for j, i in enumerate(idle):
-                            for cam in obs["images"]:
-                                obs["images"][cam][i] = fresh["images"][cam][j]
-                            obs["state"][i] = fresh["state"][j]
                             infos[i] = fresh_infos[j]
                 for ep in eps:  # in seed order, whichever ended first
                     if not ep.succeeded:

@@ -13,14 +13,19 @@ from vlamux.specs import Bound
 
 class BinsHead(ActionHead):
     kind = "bins"
-    DEFAULT_OPTIONS = {"n_bins": 256}
-    OPTION_BOUNDS = {"n_bins": Bound(2, 4096)}
+    # temperature: the sampled (RL's behaviour) policy draws from softmax(logits / temperature); its
+    # log-probabilities and entropy are those of that distribution. SFT's cross-entropy and the
+    # deterministic policy (argmax) do not depend on it. Below 1 the policy RL explores with stays near
+    # the argmax that is evaluated and served (at 1, a 64-bin head cloned to 88% sampled 78%).
+    DEFAULT_OPTIONS = {"n_bins": 256, "temperature": 1.0}
+    OPTION_BOUNDS = {"n_bins": Bound(2, 4096), "temperature": Bound(0.05, 10.0)}
     ACTION_NORM = "min_max"  # bins cover [-1, 1]
     HAS_VALUE = True
 
     def __init__(self, spec, feature_dim):
         super().__init__(spec, feature_dim)
         self.n_bins = int(self.options["n_bins"])
+        self.temperature = float(self.options["temperature"])
         self.logits_out = Linear(spec.width, spec.action_dim * self.n_bins)
 
     def to_bins(self, actions: Tensor) -> Tensor:
@@ -67,8 +72,13 @@ class BinsHead(ActionHead):
         acc = masked_mean((logits.argmax(-1) == target).to(ce.dtype), action_mask)
         return loss, {"ce": loss.detach(), "bin_acc": acc.detach()}
 
-    def sample(self, feature, state, generator=None, deterministic=False, noise=None):
+    def policy_logits(self, feature, state) -> tuple[Tensor, Tensor]:
+        """The sampled policy's logits (tempered), value."""
         logits, value = self.logits(feature, state)
+        return (logits if self.temperature == 1.0 else logits / self.temperature), value
+
+    def sample(self, feature, state, generator=None, deterministic=False, noise=None):
+        logits, value = self.policy_logits(feature, state)
         if deterministic:
             idx = logits.argmax(-1)
         else:
@@ -82,6 +92,6 @@ class BinsHead(ActionHead):
                 "value": value}
 
     def evaluate(self, feature, state, actions, action_mask, sampled=None):
-        logits, value = self.logits(feature, state)
+        logits, value = self.policy_logits(feature, state)
         return (self.log_prob(logits, self.to_bins(actions), action_mask), self.entropy(logits, action_mask),
                 value)
