@@ -43,6 +43,8 @@ def test_quick_mode_runs_two_tasks_end_to_end(tmp_path):
             assert row[key]["episodes"] == 2 and 0 <= row[key]["success"] <= 1 and len(row[key]["ci95"]) == 2
         assert row["paired"]["episodes"] == 2
     assert run["all"]["after_sft"]["episodes"] == 4 and "p_value" in run["all"]["paired"]
+    for key in ("after_sft", "after_rl"):  # one group here: the groups' mean is its rate
+        assert run["all"][key]["group_mean"] == pytest.approx(run["by_difficulty"]["easy"][key]["success"])
     assert set(run["by_difficulty"]) == {"easy"}
     mt10 = run["mt10"]  # (the quick tasks are the subset: its multi-tenant run is the whole run)
     assert mt10["tasks"] == list(mt50.QUICK_TASKS) and mt10["isolated"]["wall_s"] > 0 and mt10["multi"]["wall_s"] > 0
