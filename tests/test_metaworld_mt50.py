@@ -47,6 +47,7 @@ def test_quick_mode_runs_two_tasks_end_to_end(tmp_path):
         assert run["all"][key]["group_mean"] == pytest.approx(run["by_difficulty"]["easy"][key]["success"])
     assert set(run["by_difficulty"]) == {"easy"}
     mt10 = run["mt10"]  # (the quick tasks are the subset: its multi-tenant run is the whole run)
+    assert run["config"]["sft_steps"] == mt10["config"]["sft_steps"] == 4  # each block with its settings
     assert mt10["tasks"] == list(mt50.QUICK_TASKS) and mt10["isolated"]["wall_s"] > 0 and mt10["multi"]["wall_s"] > 0
     assert mt10["reduction"] == pytest.approx(1 - mt10["multi"]["wall_s"] / mt10["isolated"]["wall_s"])
     assert all(0 < u <= 1 for u in mt10["train_util"])

@@ -240,7 +240,7 @@ def main(argv=None) -> int:
         iso = run(specs, "isolated", workdir / "mt10", **place)
         print(f"   wall {iso['wall_s']:.0f}s, training busy {iso['train_util']:.1%}\n== MT10: together ==", flush=True)
         multi = run(specs, "multi", workdir / "mt10", **place)
-        vdoc["mt10"] = {"tasks": subset, "isolated": _times(iso), "multi": _times(multi),
+        vdoc["mt10"] = {"config": config, "tasks": subset, "isolated": _times(iso), "multi": _times(multi),
                         "reduction": 1 - multi["wall_s"] / iso["wall_s"],
                         "train_util": [iso["train_util"], multi["train_util"]],
                         "isolated_results": summary(iso["jobs"])["all"], "multi_results": summary(multi["jobs"])["all"]}
@@ -251,7 +251,8 @@ def main(argv=None) -> int:
     if together is None:
         print(f"\n== all {len(args.task_list)} tenants at once ({variant} backbone) ==", flush=True)
         together = run(job_specs(args, args.task_list, demos), "multi", workdir / "all", **place)
-    vdoc.update(summary(together["jobs"]), multi=_times(together), wall_s=time.monotonic() - t0)
+    # each block keeps the settings it ran with (a later run of other budgets may share the file)
+    vdoc.update(summary(together["jobs"]), config=config, multi=_times(together), wall_s=time.monotonic() - t0)
     save()
     a = vdoc["all"]
     line = (f"after SFT {a['after_sft']['success']:.3f} ({a['after_sft']['episodes']} episodes; mean of the "
