@@ -1,5 +1,6 @@
 """The built-in tabletop suite and worker-process vectorisation."""
 
+import dataclasses
 import os
 import signal
 import time
@@ -262,11 +263,14 @@ def test_failed_restart_is_retried_on_the_next_call():
                   start_timeout_s=60)
     try:
         v.reset(seed=0)
-        v.start_timeout_s = 0.001  # the replacement cannot come up in time
+        good = v.spec
+        # the replacement cannot create its envs (a start timeout of a millisecond was not enough: on a
+        # loaded machine the parent could wake after the new worker was already up)
+        v.spec = dataclasses.replace(good, options={"bogus": 1})
         with pytest.raises(EnvTimeoutError, match="restart failed"):
             v.debug_sleep(0, 30, timeout_s=0.5)
         assert v.worker_pids()[0] is None and v.worker_pids()[1] is not None
-        v.start_timeout_s = 60
+        v.spec = good
         obs, _ = v.reset(seed=0)  # worker 0 is started again here
         assert obs["state"].shape == (2, 8) and v.worker_pids()[0] is not None
     finally:
