@@ -102,7 +102,8 @@ def test_bins_temperature_tempers_sampling_only(backbone, temperature):
         out = tempered.sample(f, state, generator=torch.Generator().manual_seed(1))
         # the sampled chunk's log-probability is that of softmax(logits / T), computed apart
         logits, _ = plain.logits(f, state)
-        expect = torch.log_softmax(logits / temperature, -1).gather(-1, out["bins"][..., None]).squeeze(-1).sum((-1, -2))
+        chosen = torch.log_softmax(logits / temperature, -1).gather(-1, out["bins"][..., None])
+        expect = chosen.squeeze(-1).sum((-1, -2))
         assert torch.allclose(out["log_prob"], expect, atol=TOL)
         lp, ent, _ = tempered.evaluate(f, state, out["actions"], mask)
         assert torch.allclose(lp, expect, atol=TOL)

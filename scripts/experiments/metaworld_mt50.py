@@ -258,8 +258,8 @@ def main(argv=None) -> int:
     line = (f"after SFT {a['after_sft']['success']:.3f} ({a['after_sft']['episodes']} episodes; mean of the "
             f"difficulty groups {a['after_sft']['group_mean']:.3f})")
     if "after_rl" in a:
-        line += f", after RL {a['after_rl']['success']:.3f} (groups' mean {a['after_rl']['group_mean']:.3f}), paired +{a['paired']['gained']} -{a['paired']['lost']}, " \
-                f"p = {a['paired']['p_value']:.2g}"
+        line += (f", after RL {a['after_rl']['success']:.3f} (groups' mean {a['after_rl']['group_mean']:.3f}), "
+                 f"paired +{a['paired']['gained']} -{a['paired']['lost']}, p = {a['paired']['p_value']:.2g}")
     print(f"\nall tasks ({variant} backbone): {line}")
     for g, v in vdoc["by_difficulty"].items():
         print(f"  {g:10s} {v['tasks']:2d} tasks: after SFT {v['after_sft']['success']:.3f}"

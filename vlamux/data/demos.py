@@ -34,11 +34,10 @@ def features(image_size: int, cameras: tuple[str, ...], camera_dtype: str = "vid
     """The dataset's features; cameras as "video" (mp4, LeRobot's default) or "image" (PNG in the
     parquet files: no video decoder needed to read them). State and action names: the built-in
     suite's unless given (another suite's recorder names its own)."""
-    if state_names is None or action_names is None:
-        from vlamux.envs.tabletop.env import ACTION_SPACE, STATE_NAMES
+    from vlamux.envs.tabletop.env import ACTION_SPACE, STATE_NAMES
 
-        state_names = STATE_NAMES if state_names is None else state_names
-        action_names = ACTION_SPACE.names if action_names is None else action_names
+    state_names = STATE_NAMES if state_names is None else state_names
+    action_names = ACTION_SPACE.names if action_names is None else action_names
     if camera_dtype not in ("video", "image"):
         raise ValueError(f"camera_dtype: expected 'video' or 'image', got {camera_dtype!r}")
     out = {f"observation.images.{c}": {"dtype": camera_dtype, "shape": [image_size, image_size, 3],

@@ -120,7 +120,8 @@ def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[di
     return [
         flow,
         job("rl-gauss-ppo", "rl", "gaussian", sft=warm, rl=rl),
-        job("rl-bins-ppo", "rl", "bins", sft=warm, rl=rl, options={"n_bins": b.n_bins, "temperature": b.bins_temperature}),
+        job("rl-bins-ppo", "rl", "bins", sft=warm, rl=rl,
+            options={"n_bins": b.n_bins, "temperature": b.bins_temperature}),
         job("rl-gauss-grpo", "rl", "gaussian", sft=warm,
             rl={**rl, "algorithm": "grpo", "group_size": 4, "segment_steps": episode_steps}),
     ]

@@ -27,11 +27,16 @@ class EngineLoop:
     _calibration_lock = threading.Lock()
     tiers = None  # a service that pages its slots (vlamux.services.slot_tiers.SlotTiers)
 
+    def beat(self) -> None:
+        """The engine made progress (the Health Manager's heartbeat): each loop, and each operation
+        of a round that may outlast its bound."""
+        self.heartbeat = time.monotonic()
+
     def _loop(self) -> None:
         self.runner.lane.claim_thread()  # a low lane (training) yields shared cores to a high one
         try:
             while self._running:
-                self.heartbeat = time.monotonic()
+                self.beat()
                 try:
                     if self._calibration is not None:  # one probe forward, then whatever is due
                         self._calibration_step()
@@ -81,7 +86,7 @@ class EngineLoop:
         if self.group_cap == "learned" and not self.runner.group_curves:
             self._calibrate(force=False)  # before serving: the first groups are capped already
         self._running = True
-        self.heartbeat = time.monotonic()
+        self.beat()
         self._thread = threading.Thread(target=self._loop, name=f"vlamux-{self.name}", daemon=True)
         self._thread.start()
         return self

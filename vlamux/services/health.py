@@ -1,8 +1,8 @@
 """The Health Manager: watches every role and restarts a failed one in place.
 
 Each role reports liveness (its engine thread runs) and a heartbeat (its engine made progress
-recently: a loop came round, or, within a long training round, one of its operations ended). A dead or hung model service is replaced by a new one built on the same resident
-backbone; its tenants come back from their last published policy version (inference) or from
+recently: a loop came round, or, within a long training round, one of its operations ended). A dead
+or hung model service is replaced by a new one built on the same resident backbone; its tenants come back from their last published policy version (inference) or from
 their last checkpoint, else their last published version (training). Environment workers are
 pinged; dead or hung ones are replaced. Other roles and tenants are not touched.
 """

@@ -151,7 +151,7 @@ class TrainingModelService(EngineLoop):
                 # the heartbeat says the engine makes progress, not that a round is short: a round of
                 # fifty tenants' steps, optimizer steps and publishes outlasted the Health Manager's
                 # 30 s on two cores (Meta-World MT50), and the role was restarted under its jobs
-                self.heartbeat = time.monotonic()
+                self.beat()
             for op in batch:
                 if op.kind != "forward_backward":
                     t1 = time.perf_counter()
@@ -160,7 +160,7 @@ class TrainingModelService(EngineLoop):
                     except Exception as e:  # noqa: BLE001 - that tenant's failure only
                         _resolve(op.future, None, e)
                     self.accounting.charge(op.tenant, head_s=time.perf_counter() - t1)
-                    self.heartbeat = time.monotonic()
+                    self.beat()
         finally:
             self.accounting.busy(time.perf_counter() - t0)
             for op in batch:
