@@ -95,6 +95,30 @@ def test_multi_task_rl_gives_each_sub_batch_its_task(runtime):
         RLConfig(env=ENV, tasks=tasks, sub_batches=3)
 
 
+def test_reward_scale_multiplies_the_rewards_a_segment_records(runtime):
+    import threading
+    from vlamux.workflows.rollout import Segment
+
+    tenant = "scaled"
+    _slot(runtime, tenant)
+    rewards = []
+    for scale in (1.0, 0.25):
+        # the same seed and deterministic actions: the same episode, recorded under two scales
+        env = EnvSpec(**{**ENV.__dict__, "options": {"reward": "dense"}})  # a reward every step
+        cfg = RLConfig(env=env, n_envs=2, segment_steps=6, deterministic=True, reward_scale=scale)
+        s = Sampler(runtime, tenant, cfg, 0, Stats(), threading.Lock())
+        try:
+            seg = Segment(RLRun(runtime, tenant, cfg)._shape(s), False)
+            s.fill(seg, fresh_policy=True)
+            rewards.append(seg.reward.clone())
+        finally:
+            s.close()
+    assert rewards[0].abs().sum() > 0, "the episode earned no reward: the test shows nothing"
+    torch.testing.assert_close(rewards[1], 0.25 * rewards[0])
+    with pytest.raises(VlamuxError, match="reward_scale"):
+        RLConfig(env=ENV, reward_scale=0.0)
+
+
 def test_a_minibatch_across_segments_keeps_each_observation_with_its_action():
     """Rows of several segments, shuffled into one minibatch: the i-th observation is the i-th row's
     (the order the actions and behaviour log-probs are given in), whatever segment it came from."""
@@ -257,6 +281,38 @@ def test_a_resumed_job_keeps_the_evaluations_it_made_before_the_restart(runtime,
     for key in ("before", "after_sft"):
         assert again.result[key]["tasks"] == json.loads(json.dumps(first.result[key]["tasks"])), key
     assert "paired" in again.result and again.result["sft"] == first.result["sft"]
+
+
+def test_max_simulating_gives_jobs_simulator_phases_in_turn(runtime, demos, tmp_path, monkeypatch):
+    import threading
+    import time
+    import vlamux.jobs.master as master_module
+
+    spans, lock = [], threading.Lock()
+    real = master_module.evaluate
+
+    def timed(services, tenant, *args, **kwargs):  # the real evaluation, its span recorded
+        t0 = time.monotonic()
+        out = real(services, tenant, *args, **kwargs)
+        with lock:
+            spans.append((t0, time.monotonic(), tenant))
+        return out
+
+    monkeypatch.setattr(master_module, "evaluate", timed)
+    with pytest.raises(VlamuxError, match="max_simulating"):
+        MasterService(runtime, tmp_path, max_simulating=0)
+    master = MasterService(runtime, tmp_path, max_simulating=1)
+    spec = {"kind": "sft", "head": {**HEAD, "kind": "l1_chunk"},
+            "sft": {"dataset": str(demos), "steps": 2, "batch_size": 4,
+                    "camera_map": {"observation.images.agentview": "agentview", "observation.images.wrist": "wrist"}},
+            "eval": {"episodes": 2, "n_envs": 2, "env": {"task": ENV.task, "image_size": 16, "max_steps": 6}}}
+    jobs = [master.submit({**spec, "name": f"turn-{i}", "tenant": f"turn-{i}"}) for i in range(3)]
+    for j in jobs:
+        assert master.wait(j, 300).state == "succeeded", j.error
+    spans.sort()
+    assert len(spans) == 6  # before and after, each job
+    # one at a time: every evaluation ends before the next begins
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans
 
 
 def test_a_failing_job_fails_alone_and_cancel_stops_a_job(runtime, tmp_path):

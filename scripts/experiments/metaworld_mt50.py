@@ -4,7 +4,8 @@ Stages, each resumable (a stage whose output exists is not redone; jobs resume f
   demos     each task's scripted expert (metaworld.policies), recorded through the environment service
             as a LeRobot v3.0 dataset (vlamux.workflows.metaworld_demos: corner2 camera at --image-size, the
             4-D state, positions drawn at random from each episode's seed, success-filtered)
-  pretrain  with --pretrain-steps N: the shared backbone trained first on every task's demonstrations
+  pretrain  with --pretrain-steps N: the shared backbone trained first on the demonstrations of every
+            task (or of --pretrain-tasks')
             (vlamux.pretrain --datasets: behaviour cloning with one l1_chunk head over all tasks, the
             head then dropped), as a foundation model is before tenants fine-tune it; the tenants then
             share it frozen. Without: the --backbone preset's random-initialised weights. Each variant
@@ -12,9 +13,9 @@ Stages, each resumable (a stage whose output exists is not redone; jobs resume f
   mt10      the MT10 tasks' tenants isolated (one after another, fresh services each) and together, on
             the same services: the multi-tenant saving on a real workload (--skip-mt10 to leave it out)
   mt50      every task's tenant at once: SFT on its demonstrations, evaluated (--eval-episodes seeded
-            episodes), then PPO on its task with Meta-World's reward, validated on other seeds (RL's
-            policy kept only where it validated higher than the start), evaluated again on the same
-            seeds as after SFT
+            episodes), then PPO on its task with Meta-World's reward (times --reward-scale), validated
+            on other seeds (RL's policy kept only where it validated higher than the start), evaluated
+            again on the same seeds as after SFT
 and writes --out (bench/results/metaworld_mt50.json): per task, success after SFT and after RL with
 95% intervals and the paired test; per difficulty group (LeRobot's: 28 easy, 11 medium, 6 hard,
 5 very hard) and over all tasks, with a paired test pooled over every task's episodes; wall and
@@ -57,6 +58,8 @@ def parse_args(argv=None):
                     help="an episode's steps in RL and evaluation (the experts need 40-150)")
     ap.add_argument("--sft-steps", type=int, default=2000)
     ap.add_argument("--rl-env-steps", type=int, default=20000, help="each tenant's RL budget (0: SFT only)")
+    ap.add_argument("--reward-scale", type=float, default=0.01,
+                    help="RL's rewards times this (Meta-World's shaped reward reaches 10 a step)")
     ap.add_argument("--eval-episodes", type=int, default=10, help="seeded episodes a task (LeRobot: 10)")
     ap.add_argument("--validation-episodes", type=int, default=10)
     ap.add_argument("--lora-rank", type=int, default=0, help="a LoRA of this rank on the backbone a tenant (0: none)")
@@ -64,6 +67,11 @@ def parse_args(argv=None):
     ap.add_argument("--demos-only", action="store_true", help="record the demonstrations, then stop")
     ap.add_argument("--pretrain-steps", type=int, default=0,
                     help="pretrain the backbone on the demonstrations first, this many steps (0: no)")
+    ap.add_argument("--pretrain-tasks", default=None,
+                    help="whose demonstrations pretrain the backbone: mt50, mt10 or names (default: --tasks)")
+    ap.add_argument("--sim-jobs", type=int, default=8,
+                    help="at most this many tenants run simulators (evaluation, RL) at once; the rest wait their "
+                         "turn (each opens worker processes of 0.4-1 GB; 0: no bound)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
@@ -76,10 +84,16 @@ def parse_args(argv=None):
     for flag in ("demos", "image_size", "max_steps", "sft_steps", "eval_episodes"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
+    if args.sim_jobs < 0:
+        ap.error(f"--sim-jobs: expected >= 0, got {args.sim_jobs}")
     try:
         args.task_list = tasks_of(args.tasks)
     except ValueError as e:
         ap.error(f"--tasks: {e}")
+    try:
+        args.pretrain_list = tasks_of(args.pretrain_tasks) if args.pretrain_tasks else args.task_list
+    except ValueError as e:
+        ap.error(f"--pretrain-tasks: {e}")
     return args
 
 
@@ -108,10 +122,10 @@ def ensure_demos(args, tasks: list[str]) -> dict[str, Path]:
 
 
 def pretrained_backbone(args, demos: dict[str, Path], workdir: Path) -> Path:
-    """The backbone pretrained on every task's demonstrations (made once; vlamux.pretrain)."""
+    """The backbone pretrained on these tasks' demonstrations (made once for a number of tasks and steps)."""
     from vlamux import pretrain
 
-    out = workdir / "backbone.safetensors"
+    out = workdir / f"backbone-{len(demos)}tasks-{args.pretrain_steps}steps.safetensors"
     if not out.exists():
         print(f"\n== pretraining the backbone on {len(demos)} tasks' demonstrations, {args.pretrain_steps} steps ==",
               flush=True)
@@ -146,7 +160,8 @@ def job_specs(args, tasks: list[str], demos: dict[str, Path]) -> list[dict]:
             spec.update(kind="rl", eval={**ev, "validation_episodes": args.validation_episodes},
                         rl={"env": e, "algorithm": "ppo", "mode": "sync", "env_steps": args.rl_env_steps,
                             "n_envs": 4, "sub_batches": 2, "segment_steps": episode_chunks, "minibatch_rows": 64,
-                            "epochs": 4, "lr": 3e-5, "max_staleness": 8, "critic_warmup": 3})
+                            "epochs": 4, "lr": 3e-5, "max_staleness": 8, "critic_warmup": 3,
+                                "reward_scale": args.reward_scale})
         else:
             spec.update(kind="sft", eval=ev)
         out.append(spec)
@@ -163,7 +178,8 @@ def per_task(results: dict) -> dict:
     out = {}
     for name, r in results.items():
         t = name.removeprefix("mw-")
-        row = {"difficulty": next(g for g, ts in DIFFICULTY.items() if t in ts), "wall_s": r.get("wall_s")}
+        row = {"difficulty": next(g for g, ts in DIFFICULTY.items() if t in ts), "wall_s": r.get("wall_s"),
+               "sft": r.get("sft")}  # (a resumed job's wall_s counts from its restart; sft's is its own)
         if "after_sft" in r:  # an RL job: after SFT, then after RL on the same seeds
             row.update(after_sft=_evaluation(r["after_sft"]), after_rl=_evaluation(r["after"]), paired=r["paired"],
                        rl_env_steps=r["rl"]["env_steps"], kept=r.get("validation", {}).get("kept"))
@@ -207,7 +223,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out_path, workdir = Path(args.out), Path(args.workdir)
     doc = json.loads(out_path.read_text()) if out_path.exists() and not args.quick else {}
-    config = {k: v for k, v in vars(args).items() if k not in ("task_list", "out")}
+    config = {k: v for k, v in vars(args).items() if k not in ("task_list", "pretrain_list", "out")}
     doc.update(config=config, task_names=args.task_list, env={"camera": CAMERA, "state": "hand xyz + gripper (4)",
                "positions": "random at each reset, from the episode's seed", "reward": "Meta-World's shaped reward",
                "success": "info['success']"})
@@ -229,9 +245,9 @@ def main(argv=None) -> int:
     vdoc, workdir = doc.setdefault("variants", {}).setdefault(variant, {}), workdir / variant
     backbone = args.backbone
     if args.pretrain_steps:
-        backbone = f"{args.backbone}:{pretrained_backbone(args, demos, workdir)}"
+        backbone = f"{args.backbone}:{pretrained_backbone(args, ensure_demos(args, args.pretrain_list), workdir)}"
     vdoc["backbone"] = backbone
-    place = {"backbone": backbone, "device": args.device, "dtype": args.dtype}
+    place = {"backbone": backbone, "device": args.device, "dtype": args.dtype, "max_simulating": args.sim_jobs or None}
     subset = [t for t in args.task_list if t in MT10_TASKS] if not args.quick else args.task_list
     together = None  # the multi-tenant run of every task, where MT10's is that run already
     if not args.skip_mt10 and subset and "mt10" not in vdoc:

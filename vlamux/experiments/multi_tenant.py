@@ -129,10 +129,11 @@ def job_specs(b: Budget, dataset: str | Path, backbone: str = "tiny") -> list[di
 
 def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny", on_tick=None,
         timeout_s: float = 24 * 3600, device: str = "auto", dtype: str = "auto", placement: dict | None = None,
-        label: str | None = None) -> dict:
+        label: str | None = None, max_simulating: int | None = None) -> dict:
     """Run the jobs isolated (one after another, fresh services each) or all at once; returns wall
     time, service utilisation and each job's result. placement: RuntimeConfig's service_cpus /
-    env_cpus (None: shared cores)."""
+    env_cpus (None: shared cores). max_simulating: the Master Service's bound on jobs running
+    simulators at once."""
     workdir = Path(workdir) / (label or mode)
     results, walls, busy, placed, memory = {}, [], {"training": 0.0, "inference": 0.0}, {}, {}
     process_cpu = 0.0  # this process's CPU time while jobs ran (the simulators are child processes)
@@ -141,7 +142,7 @@ def run(specs: list[dict], mode: str, workdir: str | Path, backbone: str = "tiny
     for group in groups:
         rt = _runtime(backbone, device, dtype, placement)
         try:
-            master = MasterService(rt, workdir)
+            master = MasterService(rt, workdir, max_simulating=max_simulating)
             t0, cpu0 = time.monotonic(), time.process_time()
             jobs = [master.submit(s) for s in group]
             _watch(jobs, on_tick, timeout_s)

@@ -4,7 +4,11 @@ A job's life, in one place (`_run`): create the tenant's slot (from the dataset'
 it learns from demonstrations) -> resume from its own last checkpoint if it has one, else start from
 `init_from` -> evaluate (before) -> SFT and/or RL, checkpointing every `checkpoint_every` steps and
 appending a row per step to metrics.csv -> evaluate (after) -> result.json. Jobs of many tenants run
-at once, each on its own thread; their requests meet in the services' queues.
+at once, each on its own thread; their requests meet in the services' queues. With `max_simulating`,
+at most that many jobs are in a phase that runs simulators (evaluation, validation, RL) at once: each
+such phase opens its own worker processes (Meta-World's take 0.4-1 GB each), so fifty tenants
+evaluating together would exhaust a small machine's memory; the others wait their turn, while
+training-only phases (SFT) go on for every job.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import threading
 import time
 import typing
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,11 +76,15 @@ class Job:
 
 
 class MasterService:
-    def __init__(self, services: Runtime, workdir: str | Path = "runs"):
+    def __init__(self, services: Runtime, workdir: str | Path = "runs", max_simulating: int | None = None):
+        if max_simulating is not None and (isinstance(max_simulating, bool) or not isinstance(max_simulating, int)
+                                           or max_simulating < 1):
+            raise VlamuxError(f"max_simulating: expected an integer >= 1 or None, got {max_simulating!r}")
         self.services = services
         self.workdir = Path(workdir)
         self.jobs: dict[str, Job] = {}  # the jobs not yet ended
         self._lock = threading.Lock()
+        self._simulating = None if max_simulating is None else threading.BoundedSemaphore(max_simulating)
 
     # ---- API ----------------------------------------------------------------------------------------
     def submit(self, spec: JobSpec | dict | str | Path, job_id: str | None = None, job_dir: str | Path | None = None,
@@ -147,7 +156,8 @@ class MasterService:
                                       if k in ("before", "after_sft", "sft", "validation_start", "validation")})
 
             if spec.eval is not None and spec.eval.before and resume is None:
-                keep("before", self._evaluate(job))
+                with self._simulators(job):
+                    keep("before", self._evaluate(job))
 
             def checkpoint(phase: str, step: int, env_steps: int = 0, **extra) -> None:
                 svc.save_state(spec.tenant, ckpt).result(120)
@@ -161,22 +171,27 @@ class MasterService:
             in_sft = resume is None or resume["phase"] in ("sft", "sft-done")  # (a restart may fall in between)
             if spec.kind == "rl" and spec.sft is not None and spec.eval is not None and in_sft \
                     and "after_sft" not in result:
-                keep("after_sft", self._evaluate(job))  # where RL starts from
+                with self._simulators(job):
+                    keep("after_sft", self._evaluate(job))  # where RL starts from
             start_file = job.dir / "rl_start.safetensors"  # the policy RL starts from, while validation may want it
             validating = spec.kind == "rl" and spec.eval is not None and spec.eval.validation_episodes > 0
             if validating and "validation_start" not in result:
                 svc.save_state(spec.tenant, start_file).result(120)
-                keep("validation_start", self._evaluate(job, validation=True))
+                with self._simulators(job):
+                    keep("validation_start", self._evaluate(job, validation=True))
             if spec.kind == "rl" and not (resume and resume["phase"] == "rl-done"):
-                result["rl"] = self._rl(job, metrics, checkpoint, resume)
+                with self._simulators(job):
+                    result["rl"] = self._rl(job, metrics, checkpoint, resume)
             if validating and "validation" not in result:  # (a finished job resubmitted chose already)
-                keep("validation", self._select(job, result["validation_start"], start_file))
+                with self._simulators(job):
+                    keep("validation", self._select(job, result["validation_start"], start_file))
                 if result["validation"]["kept"] == "start":  # the job's newest checkpoint is what it keeps
                     done = json.loads(state_file.read_text())
                     checkpoint("rl-done", done["step"], done["env_steps"], segments=done.get("segments", 0))
             result.pop("validation_start", None)  # in result["validation"]
             if spec.eval is not None:
-                result["after"] = self._evaluate(job)
+                with self._simulators(job):
+                    result["after"] = self._evaluate(job)
                 start = result.get("after_sft") or result.get("before")
                 if start is not None:  # the same seeds: did training change which episodes succeed?
                     result["paired"] = paired(start, result["after"])
@@ -208,6 +223,24 @@ class MasterService:
             self.services.remove_slot(tenant).result(120)
         except Exception as e:  # noqa: BLE001 - the job's end is told all the same
             log.warning("freeing the slot of %s: %s: %s", tenant, type(e).__name__, e)
+
+    @contextmanager
+    def _simulators(self, job: Job):
+        """Hold one of the `max_simulating` turns for a phase that runs simulators (no bound: at once).
+        A waiting job stays cancellable and says that it waits."""
+        if self._simulating is None:
+            yield
+            return
+        waiting = False
+        while not self._simulating.acquire(timeout=0.5):
+            self._check(job)
+            if not waiting:
+                waiting = True
+                job.progress = {**job.progress, "waiting": "for a turn to run simulators (max_simulating)"}
+        try:
+            yield
+        finally:
+            self._simulating.release()
 
     def _check(self, job: Job) -> None:
         if job.cancel.is_set():

@@ -63,6 +63,9 @@ class RLConfig:
     group_size: int = bounded(4, 1, 1024)  # GRPO: envs reset to the same state
     episode_mean: bool = True  # GRPO: every episode weighs the same, however long (as in the GRPO paper);
     # False: every step does, so long (failed) episodes outweigh short (successful) ones
+    # every reward is multiplied by it before advantages: a task whose shaped reward reaches 10 a step
+    # (Meta-World) gives returns in the hundreds, which the critic's squared loss then dominates
+    reward_scale: float = bounded(1.0, 0.0, 1e6, lo_open=True)
     gamma: float = bounded(0.99, 0.0, 1.0)
     lam: float = bounded(0.95, 0.0, 1.0)
     clip_eps: float = bounded(0.2, 1e-6, 10.0)
@@ -130,8 +133,9 @@ class Sampler:
         self.stats, self.lock = stats, lock
         self.env = services.environment
         self.task = cfg.task_of(index)
-        self.sid = self.env.open_session(tenant, dataclasses.replace(cfg.env, task=self.task), cfg.n_envs, seed=cfg.seed + 1000 * index,
-                                         n_workers=cfg.env_workers, timeout_s=cfg.timeout_s)
+        self.sid = self.env.open_session(tenant, dataclasses.replace(cfg.env, task=self.task), cfg.n_envs,
+                                         seed=cfg.seed + 1000 * index, n_workers=cfg.env_workers,
+                                         timeout_s=cfg.timeout_s)
         self.obs = None
         self.pending = None  # the chunk for the current observations, asked for ahead of time
         self.episode = 0
@@ -188,7 +192,7 @@ class Sampler:
             obs, reward, term, trunc, infos = self._timed("sampling", self.env.step, self.tenant, self.sid,
                                                           to_numpy(out["actions"]))
             done = np.asarray(term) | np.asarray(trunc)
-            seg.reward[t].copy_(torch.as_tensor(reward, dtype=torch.float32))
+            seg.reward[t].copy_(torch.as_tensor(reward, dtype=torch.float32)).mul_(cfg.reward_scale)
             seg.done[t].copy_(torch.as_tensor(done))
             seg.valid[t].copy_(alive)
             finished = np.flatnonzero(done)
