@@ -34,7 +34,8 @@ def test_quick_mode_runs_two_tasks_end_to_end(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["task_names"] == list(mt50.QUICK_TASKS) and list(doc["variants"]) == ["pretrained"]
     run = doc["variants"]["pretrained"]
-    assert run["backbone"].startswith("tiny:") and (tmp_path / "runs" / "pretrained" / "backbone.safetensors").exists()
+    made = tmp_path / "runs" / "pretrained" / "backbone-2tasks-2steps.safetensors"  # its tasks and steps named
+    assert run["backbone"] == f"tiny:{made}" and made.exists()
     for task in mt50.QUICK_TASKS:
         assert doc["demos"][task]["episodes"] == 2
         row = run["tasks"][task]

@@ -38,7 +38,7 @@ from vlamux.workflows.metaworld_demos import CAMERA, record, spec as env_spec
 from vlamux.envs.metaworld import DIFFICULTY, MT10_TASKS, MT50_TASKS, parse_task
 from vlamux.experiments.multi_tenant import run
 from vlamux.utils.io import atomic_write_text
-from vlamux.workflows.evaluate import mcnemar, wilson
+from vlamux.workflows.evaluate import mcnemar, paired, wilson
 
 QUICK_TASKS = ("reach-v3", "drawer-close-v3")
 DEMO_MAX_STEPS = 500  # Meta-World's own horizon: the experts' demonstrations are never cut short
@@ -215,6 +215,25 @@ def summary(results: dict) -> dict:
     return {"tasks": rows, "by_difficulty": groups, "all": every}
 
 
+def versus(doc: dict) -> dict | None:
+    """The pretrained backbone's tenants against the random one's after SFT, episode by episode on the
+    tasks both ran (the same seeds, where both ran with the same budgets); None where they cannot be paired."""
+    v = doc.get("variants", {})
+    if not all("tasks" in v.get(k, {}) for k in ("random", "pretrained")):
+        return None
+    same = ("demos", "image_size", "max_steps", "sft_steps", "eval_episodes")
+    if any(v["random"]["config"][k] != v["pretrained"]["config"][k] for k in same):
+        return None
+    shared = [t for t in v["pretrained"]["tasks"] if t in v["random"]["tasks"]]
+    rows = {k: [v[k]["tasks"][t] for t in shared] for k in ("random", "pretrained")}
+
+    def evaluation(rows: list[dict]) -> dict:
+        return {"tasks": {t: {"outcomes": r["after_sft"]["outcomes"]} for t, r in zip(shared, rows)}}
+
+    return {"tasks": shared, **{k: pooled(r)["after_sft"] for k, r in rows.items()},
+            "paired": paired(evaluation(rows["random"]), evaluation(rows["pretrained"]))}
+
+
 def _times(r: dict) -> dict:
     return {k: r[k] for k in ("wall_s", "train_util", "infer_util", "busy_s", "device", "dtype") if k in r}
 
@@ -269,6 +288,8 @@ def main(argv=None) -> int:
         together = run(job_specs(args, args.task_list, demos), "multi", workdir / "all", **place)
     # each block keeps the settings it ran with (a later run of other budgets may share the file)
     vdoc.update(summary(together["jobs"]), config=config, multi=_times(together), wall_s=time.monotonic() - t0)
+    if (vs := versus(doc)) is not None:
+        doc["pretrained_vs_random"] = vs
     save()
     a = vdoc["all"]
     line = (f"after SFT {a['after_sft']['success']:.3f} ({a['after_sft']['episodes']} episodes; mean of the "
