@@ -58,6 +58,7 @@ def parse_args(argv=None):
                     help="an episode's steps in RL and evaluation (the experts need 40-150)")
     ap.add_argument("--sft-steps", type=int, default=2000)
     ap.add_argument("--rl-env-steps", type=int, default=20000, help="each tenant's RL budget (0: SFT only)")
+    ap.add_argument("--rl-lr", type=float, default=3e-5, help="PPO's learning rate (fresh Adam moments)")
     ap.add_argument("--reward-scale", type=float, default=0.01,
                     help="RL's rewards times this (Meta-World's shaped reward reaches 10 a step)")
     ap.add_argument("--eval-episodes", type=int, default=10, help="seeded episodes a task (LeRobot: 10)")
@@ -160,7 +161,7 @@ def job_specs(args, tasks: list[str], demos: dict[str, Path]) -> list[dict]:
             spec.update(kind="rl", eval={**ev, "validation_episodes": args.validation_episodes},
                         rl={"env": e, "algorithm": "ppo", "mode": "sync", "env_steps": args.rl_env_steps,
                             "n_envs": 4, "sub_batches": 2, "segment_steps": episode_chunks, "minibatch_rows": 64,
-                            "epochs": 4, "lr": 3e-5, "max_staleness": 8, "critic_warmup": 3,
+                            "epochs": 4, "lr": args.rl_lr, "max_staleness": 8, "critic_warmup": 3,
                                 "reward_scale": args.reward_scale})
         else:
             spec.update(kind="sft", eval=ev)
