@@ -156,8 +156,7 @@ class MasterService:
                                       if k in ("before", "after_sft", "sft", "validation_start", "validation")})
 
             if spec.eval is not None and spec.eval.before and resume is None:
-                with self._simulators(job):
-                    keep("before", self._evaluate(job))
+                keep("before", self._evaluate(job))
 
             def checkpoint(phase: str, step: int, env_steps: int = 0, **extra) -> None:
                 svc.save_state(spec.tenant, ckpt).result(120)
@@ -171,27 +170,22 @@ class MasterService:
             in_sft = resume is None or resume["phase"] in ("sft", "sft-done")  # (a restart may fall in between)
             if spec.kind == "rl" and spec.sft is not None and spec.eval is not None and in_sft \
                     and "after_sft" not in result:
-                with self._simulators(job):
-                    keep("after_sft", self._evaluate(job))  # where RL starts from
+                keep("after_sft", self._evaluate(job))  # where RL starts from
             start_file = job.dir / "rl_start.safetensors"  # the policy RL starts from, while validation may want it
             validating = spec.kind == "rl" and spec.eval is not None and spec.eval.validation_episodes > 0
             if validating and "validation_start" not in result:
                 svc.save_state(spec.tenant, start_file).result(120)
-                with self._simulators(job):
-                    keep("validation_start", self._evaluate(job, validation=True))
+                keep("validation_start", self._evaluate(job, validation=True))
             if spec.kind == "rl" and not (resume and resume["phase"] == "rl-done"):
-                with self._simulators(job):
-                    result["rl"] = self._rl(job, metrics, checkpoint, resume)
+                result["rl"] = self._rl(job, metrics, checkpoint, resume)
             if validating and "validation" not in result:  # (a finished job resubmitted chose already)
-                with self._simulators(job):
-                    keep("validation", self._select(job, result["validation_start"], start_file))
+                keep("validation", self._select(job, result["validation_start"], start_file))
                 if result["validation"]["kept"] == "start":  # the job's newest checkpoint is what it keeps
                     done = json.loads(state_file.read_text())
                     checkpoint("rl-done", done["step"], done["env_steps"], segments=done.get("segments", 0))
             result.pop("validation_start", None)  # in result["validation"]
             if spec.eval is not None:
-                with self._simulators(job):
-                    result["after"] = self._evaluate(job)
+                result["after"] = self._evaluate(job)
                 start = result.get("after_sft") or result.get("before")
                 if start is not None:  # the same seeds: did training change which episodes succeed?
                     result["paired"] = paired(start, result["after"])
@@ -289,7 +283,8 @@ class MasterService:
                 checkpoint("rl", updates[0], done + st.env_steps, segments=trained + st.segments_trained)
 
         run.on_progress = on_progress
-        st = run.run()
+        with self._simulators(job):
+            st = run.run()
         checkpoint("rl-done", updates[0], done + st.env_steps, segments=trained + st.segments_trained)  # kept
         wall = time.monotonic() - t0
         return {"env_steps": done + st.env_steps, "episodes": len(st.episodes), "success_rate": st.success_rate(),
@@ -321,7 +316,8 @@ class MasterService:
         tasks = ev.tasks or (list(spec.rl.tasks) if spec.rl is not None and spec.rl.tasks else [env.task])
         job.progress = {"phase": "validation" if validation else "eval", "tasks": tasks}
         episodes, seed = (ev.validation_episodes, ev.validation_seed) if validation else (ev.episodes, ev.seed)
-        return evaluate(self.services, spec.tenant, env, tasks, episodes, seed=seed, n_envs=ev.n_envs)
+        with self._simulators(job):
+            return evaluate(self.services, spec.tenant, env, tasks, episodes, seed=seed, n_envs=ev.n_envs)
 
 
 def _stats_mode(spec: JobSpec) -> str:
