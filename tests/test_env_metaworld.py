@@ -156,3 +156,26 @@ def test_the_lerobot_setting_is_four_dim_state_seeded_random_positions_and_the_e
     with pytest.raises(ValueError, match="option state"):
         MetaWorldEnv("push-v3", state="object")
     env.close()
+
+
+def test_success_reward_is_one_on_the_step_that_succeeds_and_the_shaped_one_stays_in_info():
+    def episode(reward):
+        env = MetaWorldEnv("reach-v3", image_size=16, cameras=("corner2",), state="ee", randomize=True,
+                           expert=True, render=False, max_steps=200, reward=reward)
+        _, info = env.reset(seed=7)
+        rewards, shaped, term = [], [], False
+        while not term:
+            _, r, term, trunc, info = env.step(info["expert_action"])
+            assert not trunc  # the scripted expert reaches the goal within the steps
+            rewards.append(r)
+            shaped.append(info["shaped_reward"])
+        env.close()
+        return np.array(rewards), np.array(shaped)
+
+    shaped_r, shaped_info = episode("shaped")
+    success_r, success_info = episode("success")
+    np.testing.assert_array_equal(shaped_r, shaped_info)  # the same episode (same seed, the expert's actions)
+    np.testing.assert_array_equal(success_info, shaped_info)
+    assert success_r[-1] == 1.0 and not success_r[:-1].any() and shaped_r[:-1].min() > 0
+    with pytest.raises(ValueError, match="option reward"):
+        MetaWorldEnv("reach-v3", reward="dense")

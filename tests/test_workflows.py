@@ -414,6 +414,24 @@ def test_several_passes_over_a_segment_are_not_mistaken_for_stale_data():
         rt.stop()
 
 
+def test_target_kl_stops_an_updates_passes_once_the_policy_has_moved_that_far(runtime):
+    tenant = "early-stop"
+    _slot(runtime, tenant)
+    runs = {}
+    for target in (None, 1e-9):  # 1e-9: any move at all stops the update after its second pass
+        start = runtime.training.version(tenant)
+        cfg = RLConfig(env=ENV, mode="sync", env_steps=32, n_envs=2, sub_batches=1, segment_steps=4, epochs=4,
+                       lr=1e-2, max_staleness=8, target_kl=target)
+        st = RLRun(runtime, tenant, cfg).run()
+        runs[target] = (st, runtime.training.version(tenant) - start)
+    full, stopped = runs[None][0], runs[1e-9][0]
+    assert full.passes == [4] * full.segments_trained and runs[None][1] == 4 * full.segments_trained
+    assert stopped.passes == [2] * stopped.segments_trained and runs[1e-9][1] == 2 * stopped.segments_trained
+    assert min(stopped.approx_kl) > 1e-9  # what stopped them: the second pass found the policy moved
+    with pytest.raises(VlamuxError, match="target_kl"):
+        RLConfig(env=ENV, target_kl=0.0)
+
+
 def test_an_sft_job_with_an_adapter_starts_from_a_peft_directory_and_writes_one(runtime, demos, tmp_path):
     from safetensors.torch import load_file
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ from vlamux.utils.io import atomic_write_text
 from vlamux.workflows.evaluate import mcnemar, paired, wilson
 
 QUICK_TASKS = ("reach-v3", "drawer-close-v3")
+CRITIC_WARMUP = 3  # PPO's first updates fit the value head only
 DEMO_MAX_STEPS = 500  # Meta-World's own horizon: the experts' demonstrations are never cut short
 
 
@@ -59,8 +61,13 @@ def parse_args(argv=None):
     ap.add_argument("--sft-steps", type=int, default=2000)
     ap.add_argument("--rl-env-steps", type=int, default=20000, help="each tenant's RL budget (0: SFT only)")
     ap.add_argument("--rl-lr", type=float, default=3e-5, help="PPO's learning rate (fresh Adam moments)")
-    ap.add_argument("--reward-scale", type=float, default=0.01,
-                    help="RL's rewards times this (Meta-World's shaped reward reaches 10 a step)")
+    ap.add_argument("--rl-target-kl", type=float, default=None,
+                    help="PPO stops an update's passes once the policy moved this far (approx. KL; default: no stop)")
+    ap.add_argument("--rl-reward", choices=("success", "shaped"), default="success",
+                    help="RL's reward: 1 on success (default), or Meta-World's shaped reward, which with the "
+                         "episode's end at success can pay a policy more for hovering than for succeeding")
+    ap.add_argument("--reward-scale", type=float, default=None,
+                    help="RL's rewards times this (default 0.01 for the shaped reward, up to 10 a step; else 1)")
     ap.add_argument("--eval-episodes", type=int, default=10, help="seeded episodes a task (LeRobot: 10)")
     ap.add_argument("--validation-episodes", type=int, default=10)
     ap.add_argument("--lora-rank", type=int, default=0, help="a LoRA of this rank on the backbone a tenant (0: none)")
@@ -85,6 +92,10 @@ def parse_args(argv=None):
     for flag in ("demos", "image_size", "max_steps", "sft_steps", "eval_episodes"):
         if getattr(args, flag) < 1:
             ap.error(f"--{flag.replace('_', '-')}: expected >= 1, got {getattr(args, flag)}")
+    if args.rl_target_kl is not None and not 0 < args.rl_target_kl <= 10:
+        ap.error(f"--rl-target-kl: expected in (0, 10], got {args.rl_target_kl}")
+    if args.reward_scale is None:
+        args.reward_scale = 0.01 if args.rl_reward == "shaped" else 1.0
     if args.sim_jobs < 0:
         ap.error(f"--sim-jobs: expected >= 0, got {args.sim_jobs}")
     try:
@@ -159,10 +170,11 @@ def job_specs(args, tasks: list[str], demos: dict[str, Path]) -> list[dict]:
         if args.rl_env_steps:
             episode_chunks = -(-args.max_steps // 4)
             spec.update(kind="rl", eval={**ev, "validation_episodes": args.validation_episodes},
-                        rl={"env": e, "algorithm": "ppo", "mode": "sync", "env_steps": args.rl_env_steps,
-                            "n_envs": 4, "sub_batches": 2, "segment_steps": episode_chunks, "minibatch_rows": 64,
-                            "epochs": 4, "lr": args.rl_lr, "max_staleness": 8, "critic_warmup": 3,
-                                "reward_scale": args.reward_scale})
+                        rl={"env": {**e, "options": {**e["options"], "reward": args.rl_reward}},
+                            "algorithm": "ppo", "mode": "sync", "env_steps": args.rl_env_steps, "n_envs": 4,
+                            "sub_batches": 2, "segment_steps": episode_chunks, "minibatch_rows": 64, "epochs": 4,
+                            "lr": args.rl_lr, "max_staleness": 8, "critic_warmup": CRITIC_WARMUP,
+                            "reward_scale": args.reward_scale, "target_kl": args.rl_target_kl})
         else:
             spec.update(kind="sft", eval=ev)
         out.append(spec)
@@ -175,6 +187,15 @@ def _evaluation(e: dict) -> dict:
             "successes": task["successes"], "outcomes": task["outcomes"]}
 
 
+def _sampled(curve: list) -> dict:
+    """The sampled policy's success during RL: over its first and its last quarter of episodes."""
+    q = len(curve) // 4
+    if not q:
+        return {"episodes": len(curve)}
+    return {"episodes": len(curve), "first_quarter": sum(ok for _, ok in curve[:q]) / q,
+            "last_quarter": sum(ok for _, ok in curve[-q:]) / q}
+
+
 def per_task(results: dict) -> dict:
     out = {}
     for name, r in results.items():
@@ -183,7 +204,14 @@ def per_task(results: dict) -> dict:
                "sft": r.get("sft")}  # (a resumed job's wall_s counts from its restart; sft's is its own)
         if "after_sft" in r:  # an RL job: after SFT, then after RL on the same seeds
             row.update(after_sft=_evaluation(r["after_sft"]), after_rl=_evaluation(r["after"]), paired=r["paired"],
-                       rl_env_steps=r["rl"]["env_steps"], kept=r.get("validation", {}).get("kept"))
+                       rl_env_steps=r["rl"]["env_steps"], kept=r.get("validation", {}).get("kept"),
+                       rl_sampled=_sampled(r["rl"].get("curve", [])),
+                       # per update: how far the policy moved (the first `critic_warmup` fit the critic only)
+                       rl_updates={k: r["rl"].get(k, []) for k in ("approx_kl", "clip_frac", "passes")})
+            if "validation" in r:  # the policy RL started from and RL's, on the validation seeds
+                v = r["validation"]
+                row["validation"] = {"start": _evaluation(v["start"]), "rl": _evaluation(v["rl"]),
+                                     "paired": v["paired"]}
         else:
             row.update(after_sft=_evaluation(r["after"]))
         out[t] = row
@@ -199,9 +227,26 @@ def pooled(rows: list[dict]) -> dict:
             s, n = sum(e["successes"] for e in have), sum(e["episodes"] for e in have)
             out[key] = {"success": s / n, "ci95": list(wilson(s, n)), "episodes": n,
                         "task_mean": sum(e["success"] for e in have) / len(have)}
-    if all("paired" in r for r in rows) and rows:
-        g, lost = sum(r["paired"]["gained"] for r in rows), sum(r["paired"]["lost"] for r in rows)
-        out["paired"] = {"gained": g, "lost": lost, "p_value": mcnemar(g, lost)}
+    for key, block in (("paired", lambda r: r.get("paired")), ("validation", lambda r: r.get("validation"))):
+        blocks = [block(r) for r in rows]
+        if rows and all(blocks):
+            pairs = [b if key == "paired" else b["paired"] for b in blocks]
+            g, lost = sum(b["gained"] for b in pairs), sum(b["lost"] for b in pairs)
+            out[key] = {"gained": g, "lost": lost, "p_value": mcnemar(g, lost)}
+            if key == "validation":  # RL's policy against the one it started from, on the validation seeds
+                out[key].update({k: sum(b[k]["successes"] for b in blocks) for k in ("start", "rl")},
+                                episodes=sum(b["start"]["episodes"] for b in blocks))
+    if rows and all("first_quarter" in r.get("rl_sampled", {}) for r in rows):  # the tasks' mean
+        out["rl_sampled"] = {k: sum(r["rl_sampled"][k] for r in rows) / len(rows)
+                             for k in ("first_quarter", "last_quarter")}
+    moved = {k: [x for r in rows for x in r.get("rl_updates", {}).get(k, [])[CRITIC_WARMUP:]]
+             for k in ("approx_kl", "clip_frac")}
+    if moved["approx_kl"]:  # the updates that moved the policy
+        out["rl_updates"] = {"policy_updates": len(moved["approx_kl"]),
+                             **{f"{k}_median": statistics.median(v) for k, v in moved.items()}}
+        passes = [x for r in rows for x in r.get("rl_updates", {}).get("passes", [])[CRITIC_WARMUP:]]
+        if passes:  # (jobs from before passes were recorded have none)
+            out["rl_updates"]["passes_mean"] = sum(passes) / len(passes)
     return out
 
 
@@ -244,9 +289,10 @@ def main(argv=None) -> int:
     out_path, workdir = Path(args.out), Path(args.workdir)
     doc = json.loads(out_path.read_text()) if out_path.exists() and not args.quick else {}
     config = {k: v for k, v in vars(args).items() if k not in ("task_list", "pretrain_list", "out")}
-    doc.update(config=config, task_names=args.task_list, env={"camera": CAMERA, "state": "hand xyz + gripper (4)",
-               "positions": "random at each reset, from the episode's seed", "reward": "Meta-World's shaped reward",
-               "success": "info['success']"})
+    doc.update(config=config, task_names=args.task_list, env={
+        "camera": CAMERA, "state": "hand xyz + gripper (4)",
+        "positions": "random at each reset, from the episode's seed",
+        "rl_reward": f"{args.rl_reward} (x {args.reward_scale})", "success": "info['success']"})
 
     def save() -> None:
         out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -298,6 +344,10 @@ def main(argv=None) -> int:
     if "after_rl" in a:
         line += (f", after RL {a['after_rl']['success']:.3f} (groups' mean {a['after_rl']['group_mean']:.3f}), "
                  f"paired +{a['paired']['gained']} -{a['paired']['lost']}, p = {a['paired']['p_value']:.2g}")
+    if "validation" in a:
+        v = a["validation"]
+        line += (f"; validation seeds: RL's policy {v['rl']}/{v['episodes']}, the one it started from "
+                 f"{v['start']}/{v['episodes']}, paired +{v['gained']} -{v['lost']}, p = {v['p_value']:.2g}")
     print(f"\nall tasks ({variant} backbone): {line}")
     for g, v in vdoc["by_difficulty"].items():
         print(f"  {g:10s} {v['tasks']:2d} tasks: after SFT {v['after_sft']['success']:.3f}"

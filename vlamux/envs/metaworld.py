@@ -12,13 +12,17 @@ Meta-World's full 39-D observation as float32 (hand xyz, gripper opening, 14 obj
 18 dims of the previous step, then the 3-D goal, which the MT setting makes visible);
 ``instruction`` — a sentence we wrote for each MT50 task (`INSTRUCTIONS`). Actions are 4-D in
 [-1, 1]: end-effector xyz deltas (1 cm per unit) and the gripper effort (+1 closes). Reward is
-Meta-World's shaped reward (0..10); the episode terminates on ``info["success"]`` and is truncated
-at ``max_steps``.
+Meta-World's shaped reward (0..10) or, with ``reward: "success"``, 1 on the step that succeeds and 0
+otherwise; the episode terminates on ``info["success"]`` and is truncated at ``max_steps``. (The shaped
+reward and that termination pull RL apart: a policy hovering near the goal collects up to 10 a step
+until ``max_steps``, one that succeeds stops collecting, so maximising the shaped return can mean
+avoiding success; the success reward is what VLA RL on these suites optimises.) The shaped reward is
+in ``info["shaped_reward"]`` either way.
 
 Options: ``state: "ee"`` gives the 4-D state LeRobot's MetaWorld setup gives a policy (hand xyz and
-gripper opening, no object or goal dims); ``randomize: true`` draws the object and goal positions
-afresh at every reset, as Meta-World's own sampler does (LeRobot's setting), instead of one of the
-50 fixed variations; ``view: "lerobot"`` moves ``corner2`` where LeRobot puts it; ``expert: true``
+gripper opening, no object or goal dims); ``reward: "success"`` (above); ``randomize: true`` draws the
+object and goal positions afresh at every reset, as Meta-World's own sampler does (LeRobot's setting),
+instead of one of the 50 fixed variations; ``view: "lerobot"`` moves ``corner2`` where LeRobot puts it; ``expert: true``
 runs the task's scripted policy (``metaworld.policies``) on the full state inside the simulator's
 process and returns its action as ``info["expert_action"]``, so demonstrations can be recorded
 through the environment service while the policy's observation stays the 4-D one.
@@ -135,7 +139,7 @@ DIFFICULTY: dict[str, tuple[str, ...]] = {
 CAMERAS = ("topview", "corner", "corner2", "corner3", "corner4", "behindGripper", "gripperPOV")
 CAMERA_ALIASES = {"agentview": "corner", "wrist": "gripperPOV"}
 DEFAULT_CAMERAS = ("corner", "gripperPOV")
-OPTIONS = {"render", "task_seed", "state", "randomize", "view", "expert"}  # EnvSpec.options it understands
+OPTIONS = {"render", "task_seed", "state", "randomize", "view", "expert", "reward"}  # EnvSpec.options it understands
 EE_STATE_NAMES = STATE_NAMES[:4]  # state "ee": what LeRobot's MetaWorld policies see (its agent_pos)
 # LeRobot's MetaWorld env moves the corner2 camera here (as in arXiv 2206.14244's setup)
 LEROBOT_CORNER2_POS = (0.75, 0.075, 0.7)
@@ -170,7 +174,7 @@ class MetaWorldEnv(gym.Env):
     def __init__(self, task: str = "reach-v3", image_size: int = 128,
                  cameras: tuple[str, ...] = DEFAULT_CAMERAS, max_steps: int = 200, render: bool = True,
                  task_seed: int = 0, state: str = "full", randomize: bool = False, view: str = "metaworld",
-                 expert: bool = False):
+                 expert: bool = False, reward: str = "shaped"):
         from metaworld.env_dict import ALL_V3_ENVIRONMENTS
 
         self.task_name = parse_task(task)
@@ -187,7 +191,10 @@ class MetaWorldEnv(gym.Env):
         if view not in ("metaworld", "lerobot"):
             raise ValueError(f"metaworld option view: 'metaworld' or 'lerobot' (corner2 moved as LeRobot's), "
                              f"got {view!r}")
-        self.state_kind, self.randomize = state, bool(randomize)
+        if reward not in ("shaped", "success"):
+            raise ValueError(f"metaworld option reward: 'shaped' (Meta-World's, 0..10 a step) or 'success' "
+                             f"(1 on success, else 0), got {reward!r}")
+        self.state_kind, self.randomize, self.reward_kind = state, bool(randomize), reward
         self.image_size, self.cameras, self.max_steps = int(image_size), tuple(cameras), int(max_steps)
         self.do_render, self.task_seed = bool(render), int(task_seed)
         self.instruction = INSTRUCTIONS[self.task_name]
@@ -266,8 +273,10 @@ class MetaWorldEnv(gym.Env):
         self.steps += 1
         success = bool(info.get("success", 0.0))
         truncated = not success and self.steps >= self.max_steps
-        out = {"is_success": success}
+        out = {"is_success": success, "shaped_reward": float(reward)}
         out.update({k: float(v) for k, v in info.items() if k != "success" and np.isscalar(v)})
+        if self.reward_kind == "success":
+            reward = float(success)
         return self._obs(obs), float(reward), success, truncated, self._with_expert(out)
 
     def _with_expert(self, info: dict) -> dict:
@@ -296,7 +305,8 @@ class MetaWorldEnv(gym.Env):
 
 def make_metaworld_env(spec: EnvSpec) -> MetaWorldEnv:
     """The `make_env` entry for backend 'metaworld'; options: render (bool), task_seed (int, default 0),
-    state ("full" | "ee"), randomize (bool), view ("metaworld" | "lerobot"), expert (bool)."""
+    state ("full" | "ee"), randomize (bool), view ("metaworld" | "lerobot"), expert (bool), reward ("shaped" |
+    "success")."""
     unknown = set(spec.options) - OPTIONS
     if unknown:
         raise ValueError(f"env spec: unknown options {sorted(unknown)} for backend 'metaworld'; "
@@ -305,5 +315,5 @@ def make_metaworld_env(spec: EnvSpec) -> MetaWorldEnv:
     return MetaWorldEnv(spec.task, spec.image_size, spec.cameras, spec.max_steps, render=o.get("render", True),
                         task_seed=o.get("task_seed", 0), state=o.get("state", "full"),
                         randomize=bool(o.get("randomize", False)), view=o.get("view", "metaworld"),
-                        expert=bool(o.get("expert", False)))
+                        expert=bool(o.get("expert", False)), reward=o.get("reward", "shaped"))
 

@@ -291,7 +291,8 @@ class MasterService:
                 "segments_trained": trained + st.segments_trained, "segments_dropped": st.segments_dropped,
                 "rows_dropped": st.rows_dropped, "max_staleness_seen": max(st.lags, default=0),
                 "env_steps_per_s": st.env_steps / max(wall, 1e-9), "curve": st.episodes, "by_task": st.by_task,
-                "approx_kl": st.approx_kl, "clip_frac": st.clip_frac, "lane_busy_s": st.lane_busy_s}
+                "approx_kl": st.approx_kl, "clip_frac": st.clip_frac, "passes": st.passes,
+                "lane_busy_s": st.lane_busy_s}
 
     def _select(self, job: Job, start: dict, start_file: Path) -> dict:
         """RL's policy against the one it started from, on the validation episodes: RL's stays only where it

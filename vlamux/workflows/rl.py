@@ -73,11 +73,15 @@ class RLConfig:
     value_coef: float = bounded(0.5, 0.0, 1e3)
     entropy_coef: float = bounded(0.0, 0.0, 10.0)
     epochs: int = bounded(1, 1, 100)  # passes over a segment; one optimizer step each
+    # PPO's early stop (as CleanRL's target_kl): no further pass once a pass finds the policy this far from
+    # where the update began (the loss's approx_kl, mean log pi_old - log pi; the first pass's is 0, so
+    # an update makes at least two); None: every pass
+    target_kl: float | None = bounded(None, 0.0, 10.0, lo_open=True)
     # PPO: the first updates fit the value head only (an SFT-initialised policy comes with an untrained
     # critic, whose advantages would otherwise undo what SFT learned)
     critic_warmup: int = bounded(0, 0, 10**6)
     minibatch_rows: int = bounded(64, 1, 10**5)
-    # versions a step's action may lag the learner (a trained segment adds `epochs`)
+    # versions a step's action may lag the learner (a trained segment adds up to `epochs`)
     max_staleness: int = bounded(2, 0, 10**3)
     deterministic: bool = False
     seed: int = bounded(0, 0, SEED_MAX)
@@ -116,6 +120,7 @@ class Stats:
     losses: list = field(default_factory=list)
     approx_kl: list = field(default_factory=list)  # per update, its last pass: how far the policy moved
     clip_frac: list = field(default_factory=list)
+    passes: list = field(default_factory=list)  # per update: the passes it made (fewer than epochs: target_kl)
     version: int = 0
     started: float = field(default_factory=time.monotonic)
     lane_busy_s: dict = field(default_factory=lambda: {"sampling": 0.0, "inference": 0.0, "training": 0.0})
@@ -276,12 +281,15 @@ class Learner:
                 if epoch == 0:
                     proximal[mb] = out["log_prob"]
             new_version = step.result(cfg.timeout_s)["policy_version"]
+            if cfg.target_kl is not None and np.mean(kl) > cfg.target_kl:
+                break
         with self.lock:
             self.stats.segments_trained += len(parts)
             self.stats.version = new_version
             self.stats.losses.append(float(np.mean(losses)))
             self.stats.approx_kl.append(float(np.mean(kl)))
             self.stats.clip_frac.append(float(np.mean(clipped)))
+            self.stats.passes.append(epoch + 1)
             self.stats.lane_busy_s["training"] += time.perf_counter() - t0
 
     def _rows(self, seg: Segment, version: int):
