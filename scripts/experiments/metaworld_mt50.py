@@ -227,27 +227,30 @@ def pooled(rows: list[dict]) -> dict:
             s, n = sum(e["successes"] for e in have), sum(e["episodes"] for e in have)
             out[key] = {"success": s / n, "ci95": list(wilson(s, n)), "episodes": n,
                         "task_mean": sum(e["success"] for e in have) / len(have)}
-    for key, block in (("paired", lambda r: r.get("paired")), ("validation", lambda r: r.get("validation"))):
-        blocks = [block(r) for r in rows]
-        if rows and all(blocks):
-            pairs = [b if key == "paired" else b["paired"] for b in blocks]
-            g, lost = sum(b["gained"] for b in pairs), sum(b["lost"] for b in pairs)
-            out[key] = {"gained": g, "lost": lost, "p_value": mcnemar(g, lost)}
-            if key == "validation":  # RL's policy against the one it started from, on the validation seeds
-                out[key].update({k: sum(b[k]["successes"] for b in blocks) for k in ("start", "rl")},
-                                episodes=sum(b["start"]["episodes"] for b in blocks))
+    if rows and all("paired" in r for r in rows):
+        out["paired"] = _pooled_pairs([r["paired"] for r in rows])
+    if rows and all("validation" in r for r in rows):  # RL's policy against its start, on the validation seeds
+        v = [r["validation"] for r in rows]
+        out["validation"] = {**_pooled_pairs([b["paired"] for b in v]),
+                             **{k: sum(b[k]["successes"] for b in v) for k in ("start", "rl")},
+                             "episodes": sum(b["start"]["episodes"] for b in v)}
     if rows and all("first_quarter" in r.get("rl_sampled", {}) for r in rows):  # the tasks' mean
         out["rl_sampled"] = {k: sum(r["rl_sampled"][k] for r in rows) / len(rows)
                              for k in ("first_quarter", "last_quarter")}
+    # the updates that moved the policy (those past the critic's warm-up)
     moved = {k: [x for r in rows for x in r.get("rl_updates", {}).get(k, [])[CRITIC_WARMUP:]]
-             for k in ("approx_kl", "clip_frac")}
-    if moved["approx_kl"]:  # the updates that moved the policy
+             for k in ("approx_kl", "clip_frac", "passes")}
+    if moved["approx_kl"]:
         out["rl_updates"] = {"policy_updates": len(moved["approx_kl"]),
-                             **{f"{k}_median": statistics.median(v) for k, v in moved.items()}}
-        passes = [x for r in rows for x in r.get("rl_updates", {}).get("passes", [])[CRITIC_WARMUP:]]
-        if passes:  # (jobs from before passes were recorded have none)
-            out["rl_updates"]["passes_mean"] = sum(passes) / len(passes)
+                             **{f"{k}_median": statistics.median(moved[k]) for k in ("approx_kl", "clip_frac")}}
+        if moved["passes"]:  # (jobs from before passes were recorded have none)
+            out["rl_updates"]["passes_mean"] = statistics.mean(moved["passes"])
     return out
+
+
+def _pooled_pairs(pairs: list[dict]) -> dict:
+    g, lost = sum(b["gained"] for b in pairs), sum(b["lost"] for b in pairs)
+    return {"gained": g, "lost": lost, "p_value": mcnemar(g, lost)}
 
 
 def summary(results: dict) -> dict:
@@ -300,7 +303,9 @@ def main(argv=None) -> int:
 
     t0 = time.monotonic()
     print(f"Meta-World: {len(args.task_list)} tasks; demos {args.demos} a task at {args.image_size}px", flush=True)
-    demos = ensure_demos(args, args.task_list)
+    # the tenants' tasks and, with --pretrain-steps, the pretraining's (recorded once, each)
+    used = args.task_list + (args.pretrain_list if args.pretrain_steps else [])
+    demos = ensure_demos(args, list(dict.fromkeys(used)))
     doc["demos"] = {t: {k: v for k, v in json.loads((p / "meta" / "vlamux_recording.json").read_text()).items()
                         if k in ("episodes", "frames", "failed_seeds", "seconds")} for t, p in demos.items()}
     save()
@@ -311,7 +316,7 @@ def main(argv=None) -> int:
     vdoc, workdir = doc.setdefault("variants", {}).setdefault(variant, {}), workdir / variant
     backbone = args.backbone
     if args.pretrain_steps:
-        backbone = f"{args.backbone}:{pretrained_backbone(args, ensure_demos(args, args.pretrain_list), workdir)}"
+        backbone = f"{args.backbone}:{pretrained_backbone(args, {t: demos[t] for t in args.pretrain_list}, workdir)}"
     vdoc["backbone"] = backbone
     place = {"backbone": backbone, "device": args.device, "dtype": args.dtype, "max_simulating": args.sim_jobs or None}
     subset = [t for t in args.task_list if t in MT10_TASKS] if not args.quick else args.task_list
