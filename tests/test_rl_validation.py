@@ -82,5 +82,6 @@ def test_a_finished_job_resubmitted_keeps_its_choice(runtime, tmp_path):
     assert first.result["validation"]["kept"] == "start"
     again = master.wait(master.submit(_spec("again")), 300)  # no scripted figures left: validating would fail
     assert again.state == "succeeded", again.error
-    assert "rl" not in again.result and again.result["validation"]["kept"] == "start"
+    assert again.result["validation"]["kept"] == "start"
+    assert again.result["rl"] == json.loads(json.dumps(first.result["rl"]))  # its record, not a second run
     assert again.result["policy_version"] == first.result["policy_version"]

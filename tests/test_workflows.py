@@ -255,11 +255,12 @@ def test_master_runs_a_multi_task_rl_job_and_keeps_its_final_policy(runtime, tmp
     state = json.loads((tmp_path / "mt" / "state.json").read_text())
     version = job.result["policy_version"]
     assert state["phase"] == "rl-done" and state["env_steps"] >= 64 and version >= 1
-    # resubmitted (e.g. after a restart during the final evaluation): restored, not trained again
+    # resubmitted (e.g. after a restart during the final evaluation): restored, not trained again, and its
+    # RL record (from the job directory) still in the result
     assert "mt" not in runtime.training.tenants()  # the job freed its slot; the next one starts afresh
     again = master.wait(master.submit(spec), 300)
     assert again.state == "succeeded", again.error
-    assert "rl" not in again.result and again.result["policy_version"] == version
+    assert again.result["rl"] == json.loads(json.dumps(job.result["rl"])) and again.result["policy_version"] == version
 
 
 def test_a_resumed_job_keeps_the_evaluations_it_made_before_the_restart(runtime, demos, tmp_path):
@@ -281,6 +282,42 @@ def test_a_resumed_job_keeps_the_evaluations_it_made_before_the_restart(runtime,
     for key in ("before", "after_sft"):
         assert again.result[key]["tasks"] == json.loads(json.dumps(first.result[key]["tasks"])), key
     assert "paired" in again.result and again.result["sft"] == first.result["sft"]
+
+
+def test_an_rl_phase_restarted_from_its_checkpoint_reports_the_episodes_and_updates_of_the_whole_phase(
+        runtime, tmp_path):
+    """Each RL checkpoint carries the phase's record so far: a job restarted from one reports the episodes
+    and updates before the restart too (env steps counted from the phase's start), not only its own."""
+    master = MasterService(runtime, tmp_path)
+    spec = {"name": "rec", "tenant": "rec", "kind": "rl", "head": HEAD, "checkpoint_every": 1,
+            "rl": {"env": {"task": ENV.task, "image_size": 16, "max_steps": 6, "n_action_steps": 2},
+                   "env_steps": 48, "n_envs": 2, "sub_batches": 1, "segment_steps": 4, "mode": "sync",
+                   "critic_warmup": 0}}
+    events = []
+    first = master.wait(master.submit(spec, on_event=lambda job, kind, data: events.append((kind, data))), 300)
+    assert first.state == "succeeded", first.error
+    rl = first.result["rl"]
+    assert rl["episodes"] == len(rl["curve"]) > 0 and len(rl["approx_kl"]) == rl["segments_trained"] >= 3
+    assert sum(n for _, n in rl["by_task"].values()) == rl["episodes"]
+    # the state at the first mid-phase checkpoint, as a restart would find it
+    state = tmp_path / "rec" / "state.json"
+    mid = next(d for k, d in events if k == "checkpoint" and d["phase"] == "rl")
+    assert mid["env_steps"] < 48
+    record = {"curve": [[n, ok] for n, ok in rl["curve"] if n <= mid["env_steps"]], "by_task": {ENV.task: [1, 9]},
+              "approx_kl": [0.5], "clip_frac": [0.25], "passes": [3]}  # (marked: not what this run made)
+    state.write_text(json.dumps({"phase": "rl", "step": 1, "env_steps": mid["env_steps"], "segments": 1,
+                                 "record": record}))
+    again = master.wait(master.submit(spec), 300)
+    assert again.state == "succeeded", again.error
+    rl2 = again.result["rl"]
+    assert rl2["curve"][:len(record["curve"])] == record["curve"] and len(rl2["curve"]) > len(record["curve"])
+    new = rl2["curve"][len(record["curve"]):]
+    assert all(n > mid["env_steps"] for n, _ in new)  # counted on from the restart, not from 0
+    assert rl2["approx_kl"][0] == 0.5 and rl2["clip_frac"][0] == 0.25 and rl2["passes"][0] == 3
+    assert len(rl2["approx_kl"]) == rl2["segments_trained"] and rl2["env_steps"] >= 48
+    assert rl2["by_task"][ENV.task][1] == 9 + len(new) and rl2["episodes"] == len(rl2["curve"])
+    saved = json.loads(state.read_text())
+    assert saved["phase"] == "rl-done"
 
 
 def test_max_simulating_gives_jobs_simulator_phases_in_turn(runtime, demos, tmp_path, monkeypatch):

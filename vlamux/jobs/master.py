@@ -153,7 +153,7 @@ class MasterService:
             def keep(key: str, value) -> None:
                 result[key] = value
                 _write_json(partial, {k: v for k, v in result.items()
-                                      if k in ("before", "after_sft", "sft", "validation_start", "validation")})
+                                      if k in ("before", "after_sft", "sft", "validation_start", "rl", "validation")})
 
             if spec.eval is not None and spec.eval.before and resume is None:
                 keep("before", self._evaluate(job))
@@ -177,7 +177,7 @@ class MasterService:
                 svc.save_state(spec.tenant, start_file).result(120)
                 keep("validation_start", self._evaluate(job, validation=True))
             if spec.kind == "rl" and not (resume and resume["phase"] == "rl-done"):
-                result["rl"] = self._rl(job, metrics, checkpoint, resume)
+                keep("rl", self._rl(job, metrics, checkpoint, resume))
             if validating and "validation" not in result:  # (a finished job resubmitted chose already)
                 keep("validation", self._select(job, result["validation_start"], start_file))
                 if result["validation"]["kept"] == "start":  # the job's newest checkpoint is what it keeps
@@ -260,12 +260,22 @@ class MasterService:
         spec = job.spec
         before = resume if resume and resume["phase"] == "rl" else {}  # what ran before a restart
         done, trained = before.get("env_steps", 0), before.get("segments", 0)
+        earlier = before.get("record", {})  # the episodes and updates before the restart, from its state file
         updates = [before.get("step", 0)]  # a metrics row's step: the learner's update, counted across restarts
         # a resumed RL phase keeps the optimizer moments its checkpoint holds
         cfg = dataclasses.replace(spec.rl, env_steps=max(0, spec.rl.env_steps - done),
                                   fresh_optimizer=spec.rl.fresh_optimizer and not done)
         run = RLRun(self.services, spec.tenant, cfg)
         t0 = time.monotonic()
+
+        def record(st) -> dict:
+            """The phase's episodes (at env steps counted from the phase's start) and updates, over restarts."""
+            tasks = {t: list(v) for t, v in earlier.get("by_task", {}).items()}
+            for t, (ok, n) in list(st.by_task.items()):
+                tasks[t] = [a + b for a, b in zip(tasks.get(t, [0, 0]), (ok, n))]
+            return {"curve": earlier.get("curve", []) + [[done + n, ok] for n, ok in list(st.episodes)],
+                    "by_task": tasks, **{k: earlier.get(k, []) + list(getattr(st, k))
+                                         for k in ("approx_kl", "clip_frac", "passes")}}
 
         def on_progress(st) -> None:
             self._check(job)
@@ -280,19 +290,21 @@ class MasterService:
                         env_steps=done + st.env_steps, env_steps_per_s=st.env_steps / wall, policy_version=st.version,
                         staleness=job.progress["staleness"])
             if st.segments_trained and st.segments_trained % spec.checkpoint_every == 0:
-                checkpoint("rl", updates[0], done + st.env_steps, segments=trained + st.segments_trained)
+                checkpoint("rl", updates[0], done + st.env_steps, segments=trained + st.segments_trained,
+                           record=record(st))
 
         run.on_progress = on_progress
         with self._simulators(job):
             st = run.run()
         checkpoint("rl-done", updates[0], done + st.env_steps, segments=trained + st.segments_trained)  # kept
-        wall = time.monotonic() - t0
-        return {"env_steps": done + st.env_steps, "episodes": len(st.episodes), "success_rate": st.success_rate(),
+        wall, rec = time.monotonic() - t0, record(st)
+        recent = rec["curve"][-50:]  # (as Stats.success_rate, over the restarts too)
+        # the rates and lanes' times are this process's; the episodes, updates and counts the whole phase's
+        return {"env_steps": done + st.env_steps, "episodes": len(rec["curve"]),
+                "success_rate": sum(ok for _, ok in recent) / len(recent) if recent else None,
                 "segments_trained": trained + st.segments_trained, "segments_dropped": st.segments_dropped,
                 "rows_dropped": st.rows_dropped, "max_staleness_seen": max(st.lags, default=0),
-                "env_steps_per_s": st.env_steps / max(wall, 1e-9), "curve": st.episodes, "by_task": st.by_task,
-                "approx_kl": st.approx_kl, "clip_frac": st.clip_frac, "passes": st.passes,
-                "lane_busy_s": st.lane_busy_s}
+                "env_steps_per_s": st.env_steps / max(wall, 1e-9), **rec, "lane_busy_s": st.lane_busy_s}
 
     def _select(self, job: Job, start: dict, start_file: Path) -> dict:
         """RL's policy against the one it started from, on the validation episodes: RL's stays only where it
