@@ -30,7 +30,7 @@ from vlamux.jobs.spec import JobSpec, JobSpecError, load_spec
 from vlamux.model.heads.lerobot import checkpoint_of
 from vlamux.utils.io import atomic_path, atomic_write_text
 from vlamux.workflows.evaluate import evaluate, paired
-from vlamux.workflows.rl import RLRun
+from vlamux.workflows.rl import RLRun, success_rate
 from vlamux.workflows.sft import SFTRun
 
 if TYPE_CHECKING:  # the contract, for annotations only
@@ -298,10 +298,10 @@ class MasterService:
             st = run.run()
         checkpoint("rl-done", updates[0], done + st.env_steps, segments=trained + st.segments_trained)  # kept
         wall, rec = time.monotonic() - t0, record(st)
-        recent = rec["curve"][-50:]  # (as Stats.success_rate, over the restarts too)
-        # the rates and lanes' times are this process's; the episodes, updates and counts the whole phase's
+        # the episodes, updates, env steps and segments trained are the whole phase's; the rates, drops,
+        # staleness and lanes' times this process's
         return {"env_steps": done + st.env_steps, "episodes": len(rec["curve"]),
-                "success_rate": sum(ok for _, ok in recent) / len(recent) if recent else None,
+                "success_rate": success_rate(rec["curve"]),
                 "segments_trained": trained + st.segments_trained, "segments_dropped": st.segments_dropped,
                 "rows_dropped": st.rows_dropped, "max_staleness_seen": max(st.lags, default=0),
                 "env_steps_per_s": st.env_steps / max(wall, 1e-9), **rec, "lane_busy_s": st.lane_busy_s}

@@ -126,8 +126,13 @@ class Stats:
     lane_busy_s: dict = field(default_factory=lambda: {"sampling": 0.0, "inference": 0.0, "training": 0.0})
 
     def success_rate(self, last: int = 50) -> float | None:
-        recent = self.episodes[-last:]
-        return sum(s for _, s in recent) / len(recent) if recent else None
+        return success_rate(self.episodes, last)
+
+
+def success_rate(episodes: list, last: int = 50) -> float | None:
+    """Over the last `last` of (env steps, success) episodes."""
+    recent = episodes[-last:]
+    return sum(s for _, s in recent) / len(recent) if recent else None
 
 
 class Sampler:
