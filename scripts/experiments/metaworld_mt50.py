@@ -80,6 +80,10 @@ def parse_args(argv=None):
     ap.add_argument("--sim-jobs", type=int, default=8,
                     help="at most this many tenants run simulators (evaluation, RL) at once; the rest wait their "
                          "turn (each opens worker processes of 0.4-1 GB; 0: no bound)")
+    ap.add_argument("--checkpoint-every", type=int, default=500,
+                    help="a job checkpoints every this many SFT steps or RL segments (and at each phase's end); "
+                         "a restarted job resumes from its last one (default 500: none within an RL phase of under 500 "
+                         "segments, about 300k env steps at --max-steps 150)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     args = ap.parse_args(argv)
@@ -166,7 +170,7 @@ def job_specs(args, tasks: list[str], demos: dict[str, Path]) -> list[dict]:
                "warmup_steps": min(100, max(1, args.sft_steps // 10))}
         ev = {"episodes": args.eval_episodes, "n_envs": min(10, args.eval_episodes), "env": e, "before": False}
         spec = {"name": f"mw-{t}", "tenant": f"mw-{t}", "head": head, "optimizer": {"lr": 1e-3},
-                "checkpoint_every": 500, "sft": sft}
+                "checkpoint_every": args.checkpoint_every, "sft": sft}
         if args.rl_env_steps:
             episode_chunks = -(-args.max_steps // 4)
             spec.update(kind="rl", eval={**ev, "validation_episodes": args.validation_episodes},
