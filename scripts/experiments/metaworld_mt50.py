@@ -208,7 +208,8 @@ def per_task(results: dict) -> dict:
                "sft": r.get("sft")}  # (a resumed job's wall_s counts from its restart; sft's is its own)
         if "after_sft" in r:  # an RL job: after SFT, then after RL on the same seeds
             row.update(after_sft=_evaluation(r["after_sft"]), after_rl=_evaluation(r["after"]), paired=r["paired"],
-                       rl_env_steps=r["rl"]["env_steps"], kept=r.get("validation", {}).get("kept"),
+                       rl_env_steps=r["rl"]["env_steps"], rl_env_steps_per_s=r["rl"].get("env_steps_per_s"),
+                       kept=r.get("validation", {}).get("kept"),
                        rl_sampled=_sampled(r["rl"].get("curve", [])),
                        # per update: how far the policy moved (the first `critic_warmup` fit the critic only)
                        rl_updates={k: r["rl"].get(k, []) for k in ("approx_kl", "clip_frac", "passes")})
