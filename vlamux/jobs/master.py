@@ -266,7 +266,6 @@ class MasterService:
         cfg = dataclasses.replace(spec.rl, env_steps=max(0, spec.rl.env_steps - done),
                                   fresh_optimizer=spec.rl.fresh_optimizer and not done)
         run = RLRun(self.services, spec.tenant, cfg)
-        t0 = time.monotonic()
 
         def record(st) -> dict:
             """The phase's episodes (at env steps counted from the phase's start) and updates, over restarts."""
@@ -280,7 +279,7 @@ class MasterService:
         def on_progress(st) -> None:
             self._check(job)
             updates[0] += 1
-            wall = max(time.monotonic() - st.started, 1e-9)
+            wall = max(time.monotonic() - st.started, 1e-9)  # from sampling's start, not the wait for a turn
             rate = st.success_rate()
             job.progress = {"phase": "rl", "env_steps": done + st.env_steps, "of": spec.rl.env_steps,
                             "success_rate": rate, "policy_version": st.version,
@@ -297,7 +296,7 @@ class MasterService:
         with self._simulators(job):
             st = run.run()
         checkpoint("rl-done", updates[0], done + st.env_steps, segments=trained + st.segments_trained)  # kept
-        wall, rec = time.monotonic() - t0, record(st)
+        wall, rec = time.monotonic() - st.started, record(st)  # (as the progress rows' rate)
         # the episodes, updates, env steps and segments trained are the whole phase's; the rates, drops,
         # staleness and lanes' times this process's
         return {"env_steps": done + st.env_steps, "episodes": len(rec["curve"]),
